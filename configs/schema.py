@@ -1,0 +1,294 @@
+"""The config schema: one frozen dataclass per section, with cross-field checks.
+
+Each field's docstring-like ``metadata["doc"]`` feeds the README's config reference.
+Checks that span sections live in ``PhalanxConfig.__post_init__``; each raises
+``ConfigError`` with the dotted key, and the loader adds the file and line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from configs.errors import ConfigError
+
+
+def doc(text: str, default: Any = None, factory: Any = None) -> Any:
+    """A dataclass field carrying its documentation."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+def _require(ok: bool, key: str, problem: str, hint: str) -> None:
+    if not ok:
+        raise ConfigError(key, problem, hint)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    entrypoint: str = doc("training function: 'path/to/train.py:main' or 'module:function'", "")
+    name: str = doc("job name; etcd keys live under <etcd.prefix>/<name>/", "phalanx-job")
+    world_size: int = doc("number of training ranks", 2)
+    nodes: int = doc("number of nodes the ranks are spread over (round robin)", 1)
+    cpus_per_worker: float = doc("Ray CPUs reserved by each worker and spare actor", 0.5)
+    torch_threads: int = doc("torch intra-op threads in every worker and spare (same everywhere "
+                             "for bit-identical replay)", 1)
+    args: dict[str, Any] = doc("keyword arguments passed to the entrypoint (JSON values)", factory=dict)
+    run_dir: str = doc("where each run gets its folder (logs, events, etcd data, disk tier)",
+                       ".phalanx/runs")
+    timeout_s: float = doc("the launcher stops the job after this long", 900.0)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.entrypoint), "job.entrypoint", "is required",
+                 "set it to 'examples/train_mlp.py:main' or 'package.module:function'")
+        _require(":" in self.entrypoint, "job.entrypoint",
+                 f"{self.entrypoint!r} names no function",
+                 "write 'path/to/train.py:main' or 'module:function'")
+        _require(self.world_size >= 1, "job.world_size", f"{self.world_size} is below 1",
+                 "use 1 or more ranks")
+        _require(self.nodes >= 1, "job.nodes", f"{self.nodes} is below 1", "use 1 or more nodes")
+        _require(self.nodes <= self.world_size, "job.nodes",
+                 f"{self.nodes} nodes for {self.world_size} ranks leaves a node without ranks",
+                 "use at most world_size nodes")
+        _require(self.cpus_per_worker > 0, "job.cpus_per_worker",
+                 f"{self.cpus_per_worker} is not positive", "use e.g. 0.5")
+        _require(self.torch_threads >= 1, "job.torch_threads", f"{self.torch_threads} is below 1",
+                 "use 1 for the most reproducible runs")
+        _require(self.timeout_s > 0, "job.timeout_s", f"{self.timeout_s} is not positive",
+                 "use a number of seconds")
+        _require(all(c.isalnum() or c in "-_" for c in self.name) and bool(self.name), "job.name",
+                 f"{self.name!r} has characters other than letters, digits, '-' and '_'",
+                 "it becomes part of etcd keys and S3 object names")
+
+
+@dataclass(frozen=True)
+class EtcdTLSConfig:
+    ca_file: str = doc("CA bundle to verify the etcd server", "")
+    cert_file: str = doc("client certificate", "")
+    key_file: str = doc("client private key", "")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.cert_file) == bool(self.key_file), "etcd.tls.cert_file",
+                 "cert_file and key_file must be set together", "set both or neither")
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    endpoints: list[str] = doc("host:port of an existing etcd cluster; empty starts a private "
+                               "embedded etcd on free loopback ports", factory=list)
+    prefix: str = doc("key prefix of all phalanx keys", "/phalanx")
+    lease_ttl_s: float = doc("member lease TTL: a silent member is gone after this long", 3.0)
+    heartbeat_s: float = doc("how often members refresh their lease and progress", 0.5)
+    startup_timeout_s: float = doc("how long to wait for the embedded etcd to be healthy", 15.0)
+    user: str = doc("etcd user (with password_file)", "")
+    password_file: str = doc("file holding the etcd password", "")
+    tls: EtcdTLSConfig = doc("TLS options for the etcd client", factory=EtcdTLSConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.lease_ttl_s >= 1, "etcd.lease_ttl_s", f"{self.lease_ttl_s} is below 1 s",
+                 "etcd leases are whole seconds; use 1 or more")
+        _require(0 < self.heartbeat_s < self.lease_ttl_s, "etcd.heartbeat_s",
+                 f"{self.heartbeat_s} must be positive and below lease_ttl_s={self.lease_ttl_s}",
+                 "use at most a third of lease_ttl_s")
+        _require(self.prefix.startswith("/") and not self.prefix.endswith("/"), "etcd.prefix",
+                 f"{self.prefix!r} must start with '/' and not end with '/'", "e.g. /phalanx")
+        for ep in self.endpoints:
+            _require(":" in ep, "etcd.endpoints", f"{ep!r} has no port", "write host:port")
+        _require(bool(self.user) == bool(self.password_file), "etcd.user",
+                 "user and password_file must be set together", "set both or neither")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str = doc("address of an existing Ray cluster; empty starts a local one", "")
+    virtual_nodes: int = doc("raylets of the local Ray, each with resource phalanx_node_<i>", 2)
+    cpus_per_node: float = doc("logical CPUs each virtual node offers", 2.0)
+    object_store_mb: int = doc("object store size per virtual node, MiB", 80)
+    health_check_period_ms: int = doc("how often Ray checks raylets (fast node-death detection)", 200)
+    health_check_failure_threshold: int = doc("missed checks before a node is declared dead", 3)
+
+    def __post_init__(self) -> None:
+        _require(self.virtual_nodes >= 1, "ray.virtual_nodes", f"{self.virtual_nodes} is below 1",
+                 "use 1 or more")
+        _require(self.cpus_per_node > 0, "ray.cpus_per_node", f"{self.cpus_per_node} is not positive",
+                 "use e.g. 2")
+        _require(self.object_store_mb >= 75, "ray.object_store_mb",
+                 f"{self.object_store_mb} MiB is below Ray's minimum of 75", "use 80 or more")
+        _require(self.health_check_period_ms >= 10, "ray.health_check_period_ms",
+                 f"{self.health_check_period_ms} is below 10 ms", "use 100-1000")
+        _require(self.health_check_failure_threshold >= 1, "ray.health_check_failure_threshold",
+                 f"{self.health_check_failure_threshold} is below 1", "use 3")
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    enabled: bool = doc("keep per-step in-memory snapshots", True)
+    every_steps: int | Literal["auto"] = doc("snapshot interval in steps, or 'auto' (the most "
+                                             "frequent interval within overhead_budget)", 1)
+    overhead_budget: float = doc("share of step time snapshots may cost with every_steps: auto", 0.03)
+    slots: int = doc("newest snapshots kept per rank in its node keeper", 2)
+    shm_dir: str = doc("shared-memory folder for keeper-owned snapshot buffers", "/dev/shm")
+
+    def __post_init__(self) -> None:
+        _require(self.every_steps == "auto" or (isinstance(self.every_steps, int)
+                                                 and self.every_steps >= 1),
+                 "snapshot.every_steps", f"{self.every_steps!r} is neither 'auto' nor >= 1",
+                 "use 1 for per-step snapshots or 'auto'")
+        _require(0 < self.overhead_budget < 1, "snapshot.overhead_budget",
+                 f"{self.overhead_budget} is outside (0, 1)", "use e.g. 0.03 for 3%")
+        _require(self.slots >= 2, "snapshot.slots", f"{self.slots} is below 2",
+                 "double buffering needs 2 slots")
+
+
+@dataclass(frozen=True)
+class ReplicationConfig:
+    enabled: bool = doc("replicate snapshots to keepers on other nodes", True)
+    factor: int = doc("replicas of each rank's snapshot on other nodes", 1)
+    chunk_mb: float = doc("chunk size of keeper-to-keeper transfers, MiB", 4.0)
+    bind_host: str = doc("interface keepers listen on", "127.0.0.1")
+    commit_every_steps: int = doc("write the committed step to etcd at most this often", 10)
+    timeout_s: float = doc("socket timeout between keepers", 10.0)
+
+    def __post_init__(self) -> None:
+        _require(self.factor >= 0, "replication.factor", f"{self.factor} is negative", "use 1")
+        _require(self.chunk_mb > 0, "replication.chunk_mb", f"{self.chunk_mb} is not positive",
+                 "use e.g. 4")
+        _require(self.commit_every_steps >= 1, "replication.commit_every_steps",
+                 f"{self.commit_every_steps} is below 1", "use e.g. 10")
+        _require(self.timeout_s > 0, "replication.timeout_s", f"{self.timeout_s} is not positive",
+                 "use e.g. 10")
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    enabled: bool = doc("persist committed steps to local disk", True)
+    path: str = doc("folder of the disk tier; empty = <run dir>/checkpoints", "")
+    every_steps: int = doc("persist every this many committed steps", 50)
+    keep: int = doc("complete steps kept", 2)
+
+    def __post_init__(self) -> None:
+        _require(self.every_steps >= 1, "tiers.disk.every_steps", f"{self.every_steps} is below 1",
+                 "use e.g. 50")
+        _require(self.keep >= 1, "tiers.disk.keep", f"{self.keep} is below 1", "keep at least 1")
+
+
+@dataclass(frozen=True)
+class S3TierConfig:
+    enabled: bool = doc("persist committed steps to S3", False)
+    bucket: str = doc("bucket name (3-63 chars, lowercase, digits, '.', '-')", "")
+    prefix: str = doc("key prefix inside the bucket", "phalanx")
+    endpoint_url: str = doc("S3 endpoint (empty = AWS)", "")
+    region: str = doc("S3 region", "us-east-1")
+    every_steps: int = doc("persist every this many committed steps", 200)
+    keep: int = doc("complete steps kept", 2)
+    expected_owner: str = doc("AWS account id sent as ExpectedBucketOwner on every request", "")
+    sse: str = doc("server-side encryption: '', 'AES256' or 'aws:kms'", "")
+    sse_kms_key_id: str = doc("KMS key id when sse is aws:kms", "")
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            return
+        _require(bool(self.bucket), "tiers.s3.bucket", "is required when tiers.s3.enabled is true",
+                 "set the bucket name or disable the tier")
+        _require(self.sse in ("", "AES256", "aws:kms"), "tiers.s3.sse", f"{self.sse!r} is unknown",
+                 "use '', 'AES256' or 'aws:kms'")
+        _require(self.every_steps >= 1, "tiers.s3.every_steps", f"{self.every_steps} is below 1",
+                 "use e.g. 200")
+        _require(self.keep >= 1, "tiers.s3.keep", f"{self.keep} is below 1", "keep at least 1")
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    disk: DiskTierConfig = doc("local disk tier", factory=DiskTierConfig)
+    s3: S3TierConfig = doc("S3 tier", factory=S3TierConfig)
+
+
+@dataclass(frozen=True)
+class SparesConfig:
+    count: int = doc("warm spare actors kept ready", 1)
+    warmup: str = doc("optional 'module:function' or 'path.py:function' run once in each spare", "")
+    on_exhausted: Literal["restart", "wait", "fail"] = doc(
+        "when no spare is left: restart a fresh actor, wait for one, or fail", "restart")
+    wait_timeout_s: float = doc("deadline of on_exhausted: wait", 60.0)
+
+    def __post_init__(self) -> None:
+        _require(self.count >= 0, "spares.count", f"{self.count} is negative", "use 0 or more")
+        _require(self.on_exhausted in ("restart", "wait", "fail"), "spares.on_exhausted",
+                 f"{self.on_exhausted!r} is unknown", "use restart, wait or fail")
+        _require(self.wait_timeout_s > 0, "spares.wait_timeout_s",
+                 f"{self.wait_timeout_s} is not positive", "use e.g. 60")
+
+
+@dataclass(frozen=True)
+class DetectionConfig:
+    stall_timeout_s: float = doc("a rank whose step does not advance this long is hung", 10.0)
+    poll_interval_s: float = doc("how often the coordinator samples progress", 0.1)
+
+    def __post_init__(self) -> None:
+        _require(self.stall_timeout_s > 0, "detection.stall_timeout_s",
+                 f"{self.stall_timeout_s} is not positive", "use e.g. 10")
+        _require(0 < self.poll_interval_s < self.stall_timeout_s, "detection.poll_interval_s",
+                 f"{self.poll_interval_s} must be positive and below stall_timeout_s",
+                 "use e.g. 0.1")
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    enabled: bool = doc("recover from faults in-process (false: a fault fails the job)", True)
+    max_recoveries: int = doc("give up after this many recoveries in one run", 20)
+    group_timeout_s: float = doc("timeout of the gloo process group's collectives", 30.0)
+    can_shrink: bool = doc("the job may continue with fewer ranks", False)
+
+    def __post_init__(self) -> None:
+        _require(self.max_recoveries >= 0, "recovery.max_recoveries",
+                 f"{self.max_recoveries} is negative", "use e.g. 20")
+        _require(self.group_timeout_s >= 1, "recovery.group_timeout_s",
+                 f"{self.group_timeout_s} is below 1 s", "use e.g. 30")
+
+
+@dataclass(frozen=True)
+class DrillsConfig:
+    scenario: str = doc("drill scenario file (configs/drills/*.yaml) injected into this run", "")
+    seed: int = doc("seed of probabilistic faults", 0)
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    secret_file: str = doc("file holding the job secret (HMAC of manifests, peer auth); "
+                           "empty = generated per job", "")
+
+
+@dataclass(frozen=True)
+class PhalanxConfig:
+    job: JobConfig = doc("the training job", factory=JobConfig)
+    etcd: EtcdConfig = doc("control plane", factory=EtcdConfig)
+    ray: RayConfig = doc("process placement", factory=RayConfig)
+    snapshot: SnapshotConfig = doc("in-memory snapshots", factory=SnapshotConfig)
+    replication: ReplicationConfig = doc("copies on other nodes", factory=ReplicationConfig)
+    tiers: TiersConfig = doc("persistent checkpoints", factory=TiersConfig)
+    spares: SparesConfig = doc("warm spare pool", factory=SparesConfig)
+    detection: DetectionConfig = doc("fault detection", factory=DetectionConfig)
+    recovery: RecoveryConfig = doc("recovery policy", factory=RecoveryConfig)
+    drills: DrillsConfig = doc("fault injection", factory=DrillsConfig)
+    security: SecurityConfig = doc("secrets", factory=SecurityConfig)
+
+    def __post_init__(self) -> None:
+        if not self.ray.address:
+            _require(self.job.nodes <= self.ray.virtual_nodes, "job.nodes",
+                     f"{self.job.nodes} nodes but ray.virtual_nodes is {self.ray.virtual_nodes}",
+                     "raise ray.virtual_nodes or lower job.nodes")
+            need = (self.job.world_size + self.spares.count) * self.job.cpus_per_worker
+            have = self.ray.virtual_nodes * self.ray.cpus_per_node
+            _require(need <= have, "job.world_size",
+                     f"{self.job.world_size} workers + {self.spares.count} spares x "
+                     f"{self.job.cpus_per_worker} CPUs = {need} CPUs, the Ray cluster offers {have}",
+                     "lower job.cpus_per_worker or spares.count, or raise ray.cpus_per_node")
+        if self.replication.enabled and self.replication.factor > 0:
+            _require(self.replication.factor <= self.job.nodes - 1, "replication.factor",
+                     f"{self.replication.factor} replicas need {self.replication.factor + 1} nodes, "
+                     f"job.nodes is {self.job.nodes}",
+                     "raise job.nodes or lower replication.factor (or disable replication)")
+        _require(self.detection.stall_timeout_s > self.etcd.heartbeat_s * 2,
+                 "detection.stall_timeout_s",
+                 f"{self.detection.stall_timeout_s} is not above 2 x etcd.heartbeat_s",
+                 "progress is reported at the heartbeat; allow at least two heartbeats")

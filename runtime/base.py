@@ -1,0 +1,129 @@
+"""Value types, identities and ports (protocols) shared by the runtime's adapters."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, NewType, Protocol, runtime_checkable
+
+Rank = NewType("Rank", int)
+NodeId = NewType("NodeId", str)
+WorkerId = NewType("WorkerId", str)
+SpareId = NewType("SpareId", str)
+Step = NewType("Step", int)
+Generation = NewType("Generation", int)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key under a watched or listed prefix; ``mod_revision`` fences CAS writes."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """A change under a watched prefix: ``kind`` is ``put`` or ``delete``."""
+
+    kind: str
+    key: str
+    value: bytes
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """One row of the member table (``members/<worker-id>``), stored as JSON."""
+
+    worker_id: str
+    rank: int
+    node: str
+    endpoint: str = ""
+    step: int = -1
+    generation: int = 0
+    pid: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Membership(Protocol):
+    """The control-plane port: leases, members, watches and the fenced generation.
+
+    Keys given to these methods are relative to the job prefix
+    (``/phalanx/<job>/``). Every call may raise ``MembershipUnavailable``;
+    ``refresh``/``put_leased`` raise ``LeaseLost`` once the lease has expired.
+    """
+
+    def join(self, member: MemberRecord, ttl_s: float) -> None:
+        """Write ``members/<worker_id>`` under a fresh lease kept alive in the background."""
+
+    def update(self, member: MemberRecord) -> None:
+        """Rewrite our member record under the same lease (progress, endpoint)."""
+
+    def leave(self) -> None:
+        """Revoke our lease: our member key disappears at once."""
+
+    def members(self) -> dict[str, MemberRecord]:
+        """The current member table, keyed by worker id."""
+
+    def put(self, key: str, value: bytes) -> None:
+        """Unconditional write of a plain (unleased) key."""
+
+    def get(self, key: str) -> KeyValue | None:
+        """One key with its mod_revision, or None."""
+
+    def delete(self, key: str) -> None:
+        """Remove one key (no error when absent)."""
+
+    def list_prefix(self, prefix: str) -> list[KeyValue]:
+        """Every key under ``prefix``, sorted by key."""
+
+    def compare_and_swap(self, key: str, expected_revision: int, value: bytes) -> bool:
+        """Write ``value`` only if ``key``'s mod_revision is ``expected_revision``
+        (0 = key must not exist). Returns whether the write happened."""
+
+    def watch_prefix(self, prefix: str, callback: Callable[[WatchEvent], None]) -> Callable[[], None]:
+        """Call ``callback`` (from a watcher thread) for each change; returns a cancel function."""
+
+    def close(self) -> None:
+        """Stop keepalive and watches; revoke the lease if still held."""
+
+
+def iter_chunks(view: memoryview, size: int) -> Iterator[memoryview]:
+    """Slices of ``view`` of at most ``size`` bytes, without copying."""
+    for start in range(0, len(view), size):
+        yield view[start:start + size]
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A persistent checkpoint tier (local disk, S3): format-agnostic byte storage.
+
+    Layout: ``<root>/<job>/step_<n>/rank_<r>.safetensors`` + ``rank_<r>.json`` and a
+    step-level ``COMMIT`` marker written last, only when every rank is present. A step
+    without its marker is invisible to ``committed_steps``. Errors: ``TierUnavailable``
+    for I/O failures, ``SnapshotNotFound`` for a missing object.
+    """
+
+    name: str
+
+    def write_rank(self, step: int, rank: int, payload: memoryview | bytes, manifest: bytes) -> None:
+        """Store one rank's payload and manifest for ``step`` (atomic per object)."""
+
+    def commit_step(self, step: int, ranks: list[int]) -> None:
+        """Write the step's commit marker; raises if a rank's objects are missing."""
+
+    def read_rank(self, step: int, rank: int) -> tuple[bytes, bytes]:
+        """(payload, manifest) of one rank at a committed or uncommitted step."""
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose commit marker exists, ascending."""
+
+    def delete_step(self, step: int) -> None:
+        """Remove a step (marker first, so it is never half-visible)."""
+
+    def apply_retention(self, keep: int) -> list[int]:
+        """Delete all but the newest ``keep`` committed steps (and stale partial ones older
+        than the newest committed); returns the deleted steps."""
+
+    def check(self) -> None:
+        """Verify at launch that the tier is usable (credentials, bucket, free space)."""
