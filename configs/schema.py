@@ -29,7 +29,7 @@ class JobConfig:
     entrypoint: str = doc("training function: 'path/to/train.py:main' or 'module:function'", "")
     name: str = doc("job name; etcd keys live under <etcd.prefix>/<name>/", "phalanx-job")
     world_size: int = doc("number of training ranks", 2)
-    nodes: int = doc("number of nodes the ranks are spread over (round robin)", 1)
+    nodes: int = doc("number of nodes the ranks are spread over (round robin)", 2)
     cpus_per_worker: float = doc("Ray CPUs reserved by each worker and spare actor", 0.5)
     torch_threads: int = doc("torch intra-op threads in every worker and spare (same everywhere "
                              "for bit-identical replay)", 1)

@@ -1,0 +1,193 @@
+"""The ``Membership`` contract, run against the in-memory fake and a real etcd."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import pytest
+
+from configs.errors import LeaseLost, MembershipUnavailable
+from runtime.base import Membership, MemberRecord, WatchEvent
+from tests.plugins.etcd import MembershipFactory
+
+pytestmark = pytest.mark.contract
+
+
+def record(worker_id: str, rank: int = 0, step: int = -1) -> MemberRecord:
+    return MemberRecord(worker_id=worker_id, rank=rank, node=f"node-{rank}",
+                        endpoint=f"127.0.0.1:{7000 + rank}", step=step, extra={"k": [1, 2]})
+
+
+def eventually(predicate: Callable[[], bool], within_s: float = 2.0) -> bool:
+    """Real-time polling for effects delivered on another thread (etcd watches)."""
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.timeout(20)
+def test_adapter_implements_the_port(membership_factory: MembershipFactory) -> None:
+    assert isinstance(membership_factory(), Membership)
+
+
+@pytest.mark.timeout(20)
+def test_join_members_leave(membership_factory: MembershipFactory) -> None:
+    a, b = membership_factory(), membership_factory()
+    a.join(record("w1", rank=0), ttl_s=5)
+    b.join(record("w2", rank=1), ttl_s=5)
+
+    assert b.members() == {"w1": record("w1", rank=0), "w2": record("w2", rank=1)}
+
+    a.leave()
+    assert set(b.members()) == {"w2"}
+    a.leave()  # a second leave is a no-op
+    assert set(a.members()) == {"w2"}
+
+
+@pytest.mark.timeout(20)
+def test_update_rewrites_the_record(membership_factory: MembershipFactory) -> None:
+    a, b = membership_factory(), membership_factory()
+    a.join(record("w1"), ttl_s=5)
+
+    a.update(record("w1", step=41))
+
+    assert b.members()["w1"].step == 41
+
+
+@pytest.mark.timeout(20)
+def test_update_before_join_is_lease_lost(membership_factory: MembershipFactory) -> None:
+    with pytest.raises(LeaseLost):
+        membership_factory().update(record("w1"))
+
+
+@pytest.mark.timeout(20)
+def test_expired_lease_removes_member_and_watcher_sees_delete(
+        membership_factory: MembershipFactory) -> None:
+    dead, observer = membership_factory(), membership_factory()
+    seen: list[WatchEvent] = []
+    observer.watch_prefix("members/", seen.append)
+    dead.join(record("w1"), ttl_s=1)
+    assert eventually(lambda: any(e.kind == "put" for e in seen))
+
+    dead._stop_keepalive()  # type: ignore[attr-defined]  # the process "died"
+
+    assert membership_factory.pass_time_until(lambda: "w1" not in observer.members(),
+                                              within_s=1 + 1.0)
+    assert eventually(lambda: WatchEvent("delete", "members/w1", b"") in seen)
+    with pytest.raises(LeaseLost):
+        dead.update(record("w1", step=3))
+
+
+@pytest.mark.timeout(20)
+def test_revoked_lease_is_reported_as_lease_lost(membership_factory: MembershipFactory) -> None:
+    member = membership_factory()
+    member.join(record("w1"), ttl_s=5)
+
+    membership_factory.force_expire(member)
+
+    with pytest.raises(LeaseLost):
+        member.update(record("w1", step=1))
+    assert "w1" not in member.members()
+
+
+@pytest.mark.timeout(20)
+def test_watch_sees_put_and_delete_until_cancelled(membership_factory: MembershipFactory) -> None:
+    writer, watcher = membership_factory(), membership_factory()
+    seen: list[WatchEvent] = []
+    barrier: list[WatchEvent] = []
+    cancel = watcher.watch_prefix("plan/", seen.append)
+
+    writer.put("plan/1", b"one")
+    writer.put("planner", b"outside the prefix")
+    writer.delete("plan/1")
+
+    assert eventually(lambda: len(seen) == 2)
+    assert seen == [WatchEvent("put", "plan/1", b"one"), WatchEvent("delete", "plan/1", b"")]
+
+    cancel()
+    cancel()  # idempotent
+    watcher.watch_prefix("plan/", barrier.append)
+    writer.put("plan/2", b"two")
+    assert eventually(lambda: len(barrier) == 1)
+    assert len(seen) == 2
+
+
+@pytest.mark.timeout(20)
+def test_compare_and_swap_fences_on_mod_revision(membership_factory: MembershipFactory) -> None:
+    m = membership_factory()
+    assert m.compare_and_swap("generation", 0, b"1")       # create if absent
+    assert not m.compare_and_swap("generation", 0, b"x")   # ... only once
+    first = m.get("generation")
+    assert first is not None and first.value == b"1"
+
+    assert m.compare_and_swap("generation", first.mod_revision, b"2")
+    assert not m.compare_and_swap("generation", first.mod_revision, b"3")  # stale revision
+    now = m.get("generation")
+    assert now is not None and now.value == b"2" and now.mod_revision > first.mod_revision
+    assert not m.compare_and_swap("absent", now.mod_revision, b"x")
+    assert m.get("absent") is None
+
+
+@pytest.mark.timeout(20)
+def test_concurrent_create_if_absent_has_one_winner(membership_factory: MembershipFactory) -> None:
+    contenders = [membership_factory() for _ in range(4)]
+    results: list[bool] = []
+    start = threading.Barrier(len(contenders), timeout=5)
+
+    def race(m: Membership, value: bytes) -> None:
+        start.wait()
+        results.append(m.compare_and_swap("coordinator", 0, value))
+
+    threads = [threading.Thread(target=race, args=(m, str(i).encode()))
+               for i, m in enumerate(contenders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+
+    assert sorted(results) == [False, False, False, True]
+
+
+@pytest.mark.timeout(20)
+def test_list_prefix_is_sorted_and_get_returns_mod_revision(
+        membership_factory: MembershipFactory) -> None:
+    m = membership_factory()
+    for key in ("events/c", "events/a", "eventsx", "events/b"):
+        m.put(key, key.encode())
+
+    listed = m.list_prefix("events/")
+
+    assert [kv.key for kv in listed] == ["events/a", "events/b", "events/c"]
+    for kv in listed:
+        assert m.get(kv.key) == kv and kv.value == kv.key.encode()
+    m.put("events/a", b"again")
+    again = m.get("events/a")
+    assert again is not None and again.mod_revision > listed[0].mod_revision
+    m.delete("events/a")
+    m.delete("events/a")  # absent: no error
+    assert m.get("events/a") is None
+    assert [kv.key for kv in m.list_prefix("events/")] == ["events/b", "events/c"]
+
+
+@pytest.mark.timeout(20)
+def test_close_is_idempotent_and_revokes_the_lease(membership_factory: MembershipFactory) -> None:
+    a, b = membership_factory(), membership_factory()
+    seen: list[WatchEvent] = []
+    a.watch_prefix("members/", seen.append)
+    a.join(record("w1"), ttl_s=5)
+
+    a.close()
+    a.close()
+
+    assert "w1" not in b.members()
+    with pytest.raises(MembershipUnavailable):
+        a.get("members/w1")
+    barrier: list[WatchEvent] = []
+    b.watch_prefix("members/", barrier.append)
+    b.put("members/late", b"{}")
+    assert eventually(lambda: len(barrier) == 1)
+    assert WatchEvent("put", "members/late", b"{}") not in seen
