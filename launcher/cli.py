@@ -1,0 +1,75 @@
+"""The ``phalanx`` command line: launch, status (and the subcommands later issues add)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from rich.console import Console
+
+from configs.errors import ConfigError, PhalanxError, WorkerFailed
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="phalanx", description="Checkpointless training "
+                                     "for PyTorch with elastic recovery.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log events to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+    launch = sub.add_parser("launch", help="run a training job from a YAML config")
+    launch.add_argument("config", help="YAML config file (e.g. configs/demo.yaml)")
+    launch.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key (repeatable)")
+    status = sub.add_parser("status", help="show the member table of a running job")
+    status.add_argument("run_dir", nargs="?", help="run directory (default: the newest run)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    console = Console(stderr=True)
+    try:
+        if args.command == "launch":
+            return _launch(args, console)
+        if args.command == "status":
+            from launcher.rundir import RunDir
+            from launcher.status import show_status
+            return show_status(RunDir.find(args.run_dir), console)
+    except ConfigError as exc:
+        console.print(f"[red]config error:[/red] {exc}", highlight=False)
+        return EXIT_USAGE
+    except WorkerFailed as exc:
+        console.print(f"[red]job failed:[/red] rank {exc.rank}: {exc.message}", highlight=False)
+        console.print(exc.traceback_text, highlight=False, markup=False)
+        return EXIT_FAILED
+    except PhalanxError as exc:
+        console.print(f"[red]job failed:[/red] {type(exc).__name__}: {exc}", highlight=False)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        console.print("phalanx: interrupted; everything started was stopped")
+        return 130
+    return EXIT_USAGE
+
+
+def _launch(args: argparse.Namespace, console: Console) -> int:
+    from configs.loader import load_config
+    from launcher.job import JobRunner  # imports Ray and torch: only when launching
+
+    cfg = load_config(args.config, args.overrides)
+    result = JobRunner(cfg, console).run()
+    hashes = {rank: (value.get("result") or {}).get("hash") for rank, value in result.results.items()
+              if isinstance(value, dict)}
+    for rank, digest in hashes.items():
+        if digest:
+            print(f"rank {rank} final parameter hash {digest}")
+    print(f"run directory: {result.run_dir}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The composition root of ``phalanx launch``: start services, place worker actors over the
+nodes, watch progress and results, and tear everything down however the run ends."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from rich.console import Console
+
+from configs.errors import PhalanxError, WorkerFailed
+from configs.schema import PhalanxConfig
+from launcher.entrypoint import resolve_path
+from launcher.progress import ProgressView
+from launcher.ray_cluster import node_resource
+from launcher.rundir import RunDir
+from launcher.services import Services, start_services
+from launcher.worker import WorkerActor
+from runtime.context import WorkerContext
+
+log = logging.getLogger(__name__)
+
+
+class JobTimeout(PhalanxError):
+    """The job ran longer than ``job.timeout_s``."""
+
+
+@dataclass
+class JobResult:
+    run_dir: Path
+    results: dict[int, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Rank:
+    rank: int
+    node: int
+    actor: Any
+    ref: Any = None
+
+
+class JobRunner:
+    """Runs one job to completion. ``run()`` returns a ``JobResult`` or raises the root
+    cause (``WorkerFailed`` with the rank's traceback, ``ServiceStartError``, ...)."""
+
+    def __init__(self, cfg: PhalanxConfig, console: Console | None = None,
+                 base_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.console = console or Console(stderr=True)
+        self.entrypoint = resolve_path(cfg.job.entrypoint, base_dir or Path.cwd())
+
+    def run(self) -> JobResult:
+        started = time.monotonic()
+        run = RunDir.create(self.cfg)
+        self.console.print(f"phalanx: run directory {run.path}")
+        with contextlib.ExitStack() as stack:
+            _install_sigterm(stack)
+            services = start_services(self.cfg, run, stack)
+            run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
+                           "etcd_prefix": self.cfg.etcd.prefix, "launcher_pid": os.getpid(),
+                           "world_size": self.cfg.job.world_size})
+            ranks = self._start_workers(services, run, stack)
+            results = self._watch(services, ranks)
+        result = JobResult(run.path, results, time.monotonic() - started)
+        self.console.print(f"phalanx: job {self.cfg.job.name} finished in {result.seconds:.1f} s")
+        return result
+
+    def _context(self, services: Services, run: RunDir, rank: int, node: int) -> WorkerContext:
+        cfg = self.cfg
+        return WorkerContext(
+            job=cfg.job.name, rank=rank, world_size=cfg.job.world_size,
+            local_rank=rank // cfg.job.nodes, node=f"node-{node}", worker_id=f"w{rank}-g0",
+            generation=0, master_addr=services.store_host, master_port=services.store.port,
+            etcd_endpoints=tuple(services.etcd_endpoints), etcd_prefix=cfg.etcd.prefix,
+            lease_ttl_s=cfg.etcd.lease_ttl_s, heartbeat_s=cfg.etcd.heartbeat_s,
+            group_timeout_s=cfg.recovery.group_timeout_s, run_dir=str(run.path),
+            torch_threads=cfg.job.torch_threads)
+
+    def _start_workers(self, services: Services, run: RunDir,
+                       stack: contextlib.ExitStack) -> list[_Rank]:
+        cfg = self.cfg
+        ranks = []
+        for rank in range(cfg.job.world_size):
+            node = rank % cfg.job.nodes
+            actor = WorkerActor.options(
+                num_cpus=cfg.job.cpus_per_worker, resources={node_resource(node): 1},
+                name=f"{cfg.job.name}-rank{rank}", lifetime=None,
+            ).remote(self.entrypoint, cfg.job.torch_threads)
+            stack.callback(_kill_actor, actor)
+            ranks.append(_Rank(rank, node, actor))
+        for entry in ranks:
+            ctx = self._context(services, run, entry.rank, entry.node)
+            entry.ref = entry.actor.run.remote(ctx.to_env(), dict(cfg.job.args),
+                                               str(run.log_path(f"rank_{entry.rank}")))
+        return ranks
+
+    def _watch(self, services: Services, ranks: list[_Rank]) -> dict[int, Any]:
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.job.timeout_s
+        total = cfg.job.args.get("steps") if isinstance(cfg.job.args.get("steps"), int) else None
+        view = ProgressView(self.console, cfg.job.world_size, total).start()
+        pending = {entry.ref: entry for entry in ranks}
+        results: dict[int, Any] = {}
+        try:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=0.25)
+                for ref in done:
+                    entry = pending.pop(ref)
+                    results[entry.rank] = _result_of(ref, entry.rank)
+                    view.mark(entry.rank, "finished")
+                view.update(services.membership.members())
+                if time.monotonic() > deadline:
+                    raise JobTimeout(f"job {cfg.job.name} ran past job.timeout_s="
+                                     f"{cfg.job.timeout_s}")
+        finally:
+            view.close()
+        return {rank: results[rank] for rank in sorted(results)}
+
+
+def _result_of(ref: Any, rank: int) -> Any:
+    """A finished worker's result; raises the worker's own error as the root cause."""
+    try:
+        return ray.get(ref)
+    except RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, BaseException) else None
+        if isinstance(cause, WorkerFailed):
+            raise cause from None
+        raise WorkerFailed(rank, str(exc).splitlines()[0], str(exc)) from None
+    except RayActorError as exc:
+        raise WorkerFailed(rank, f"worker process died: {exc}") from None
+
+
+def _kill_actor(actor: Any) -> None:
+    with contextlib.suppress(Exception):  # teardown: the actor may already be gone
+        ray.kill(actor, no_restart=True)
+
+
+def _install_sigterm(stack: contextlib.ExitStack) -> None:
+    """SIGTERM unwinds like Ctrl-C, so every service is stopped."""
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread: leave signals to the caller
+        return
+    stack.callback(signal.signal, signal.SIGTERM, previous)

@@ -1,0 +1,125 @@
+"""The local Ray the launcher starts when ``ray.address`` is empty: one head raylet that
+hosts the control plane and the driver, plus ``virtual_nodes`` raylets each offering the
+resource ``phalanx_node_<i>``, so node loss can be drilled on one machine."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray  # the package __init__ set Ray's environment before this import
+from ray.cluster_utils import Cluster
+
+from configs.errors import ServiceStartError
+from configs.schema import RayConfig
+
+log = logging.getLogger(__name__)
+
+NODE_RESOURCE = "phalanx_node_{}"
+# Amount of the node resource each virtual node offers; an actor asks for a sliver of it.
+NODE_RESOURCE_UNITS = 1000
+
+
+def node_resource(index: int) -> str:
+    return NODE_RESOURCE.format(index)
+
+
+class LocalRay:
+    """Owns a local multi-raylet Ray cluster and this process's driver connection.
+
+    ``start()`` raises ``ServiceStartError``; ``close()`` stops every raylet and removes
+    the Ray temp dir. ``remove_node(i)`` kills virtual node ``i`` (drills).
+    """
+
+    def __init__(self, cfg: RayConfig, log_to_driver: bool = True) -> None:
+        self._cfg = cfg
+        self._log_to_driver = log_to_driver
+        self._cluster: Cluster | None = None
+        self._nodes: dict[int, Any] = {}
+        self._temp_dir: Path | None = None
+
+    @property
+    def address(self) -> str:
+        assert self._cluster is not None, "LocalRay not started"
+        return self._cluster.address
+
+    @property
+    def node_count(self) -> int:
+        return len(self._nodes)
+
+    def start(self) -> "LocalRay":
+        # Ray's unix socket paths must stay short: a private dir directly under /tmp.
+        self._temp_dir = Path(tempfile.mkdtemp(prefix="phx-ray-", dir="/tmp"))
+        started = time.monotonic()
+        try:
+            self._cluster = Cluster(initialize_head=True, connect=False,
+                                    head_node_args=self._head_args())
+            for index in range(self._cfg.virtual_nodes):
+                self._nodes[index] = self._cluster.add_node(wait=False, **self._node_args(index))
+            self._cluster.wait_for_nodes(timeout=60)
+            ray.init(address=self._cluster.address, log_to_driver=self._log_to_driver,
+                     _node_ip_address="127.0.0.1",
+                     logging_level=logging.WARNING, configure_logging=False,
+                     include_dashboard=False)
+        except Exception as exc:  # process boundary: any Ray failure becomes one typed error
+            self.close()
+            raise ServiceStartError(f"local Ray did not start: {exc}") from exc
+        log.info("event=ray_started nodes=%d seconds=%.2f address=%s", self._cfg.virtual_nodes,
+                 time.monotonic() - started, self._cluster.address)
+        return self
+
+    def _head_args(self) -> dict[str, Any]:
+        return {
+            "num_cpus": 0, "temp_dir": str(self._temp_dir), "include_dashboard": False,
+            "object_store_memory": self._cfg.object_store_mb * 1024 * 1024,
+            "node_ip_address": "127.0.0.1",
+            "_system_config": {
+                "health_check_period_ms": self._cfg.health_check_period_ms,
+                "health_check_failure_threshold": self._cfg.health_check_failure_threshold,
+                "health_check_initial_delay_ms": 0,
+                "health_check_timeout_ms": max(100, self._cfg.health_check_period_ms),
+            },
+        }
+
+    def _node_args(self, index: int) -> dict[str, Any]:
+        return {"num_cpus": self._cfg.cpus_per_node, "node_ip_address": "127.0.0.1",
+                "resources": {node_resource(index): NODE_RESOURCE_UNITS},
+                "object_store_memory": self._cfg.object_store_mb * 1024 * 1024}
+
+    def remove_node(self, index: int) -> None:
+        """Kill virtual node ``index`` at once: its raylet and every process on it."""
+        assert self._cluster is not None
+        node = self._nodes.pop(index)
+        self._cluster.remove_node(node, allow_graceful=False)
+        log.info("event=ray_node_removed node=%d", index)
+
+    def close(self) -> None:
+        """Disconnect the driver, stop every raylet, remove the temp dir. Idempotent."""
+        if ray.is_initialized():
+            ray.shutdown()
+        if self._cluster is not None:
+            try:
+                for node in list(self._cluster.worker_nodes):
+                    self._cluster.remove_node(node, allow_graceful=False)
+                self._cluster.shutdown()
+            except Exception as exc:  # best effort at teardown; report, never mask the cause
+                log.warning("event=ray_shutdown_error error=%r", exc)
+            self._cluster = None
+            self._nodes.clear()
+        try:
+            ray._private.utils.reset_ray_address()
+        except Exception:  # noqa: BLE001 - helper moved between Ray versions
+            pass
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
+
+    def __enter__(self) -> "LocalRay":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

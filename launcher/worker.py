@@ -1,0 +1,66 @@
+"""The worker actor: one Ray actor per rank (and per warm spare) that runs the training
+entrypoint with a torchrun-compatible environment and reports its result or traceback."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from typing import Any
+
+import ray
+
+from configs.errors import WorkerFailed
+from launcher.entrypoint import load_entrypoint
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class WorkerActor:
+    """Imports torch and the entrypoint at construction (warm), then runs it on ``run()``.
+
+    Called from the launcher's thread through Ray; only plain values cross that boundary.
+    """
+
+    def __init__(self, entrypoint: str, torch_threads: int) -> None:
+        os.environ["OMP_NUM_THREADS"] = str(torch_threads)
+        import torch  # warm-up: the import is most of a fresh worker's start-up time
+
+        torch.set_num_threads(torch_threads)
+        self._entry = load_entrypoint(entrypoint)
+        self._rank = -1
+
+    def ping(self) -> dict[str, Any]:
+        """Who and where this actor is (pid, Ray node)."""
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def run(self, env: dict[str, str], args: dict[str, Any], log_path: str) -> dict[str, Any]:
+        """Run the entrypoint as rank ``env['RANK']``; returns its JSON result.
+
+        Raises ``WorkerFailed`` carrying the worker's traceback when the entrypoint raises.
+        """
+        self._rank = int(env["RANK"])
+        os.environ.update(env)
+        _redirect_output(log_path)
+        try:
+            result = self._entry(**args)
+        except BaseException as exc:  # process boundary: the traceback becomes the report
+            text = traceback.format_exc()
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            raise WorkerFailed(self._rank, f"{type(exc).__name__}: {exc}", text) from None
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        return {"rank": self._rank, "pid": os.getpid(), "result": result}
+
+
+def _redirect_output(log_path: str) -> None:
+    """Send this process's stdout/stderr (Python and C level) to the rank's log file."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)

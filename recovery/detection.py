@@ -1,0 +1,275 @@
+"""Fault detection, pure: raw observations (signals) in, classified ``FaultReport``s out.
+
+``classify`` turns one poll's signals into deduplicated reports (a node's death absorbs its
+workers' deaths); ``StallDetector`` finds hung ranks from progress samples on a manual
+clock; ``root_cause`` names the fault that explains the others. No I/O, no clock reads.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeAlias, TypeVar, assert_never
+
+from configs.schema import DetectionConfig
+from recovery.base import FaultKind, FaultReport, WorldView
+from runtime.base import NodeId, Rank, Step, WorkerId
+
+# --- signals: what the coordinator observed, before interpretation ------------------------
+
+
+@dataclass(frozen=True)
+class ActorDied:
+    """Ray reported a worker actor dead."""
+
+    worker_id: WorkerId
+    observed_at: float
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """Ray (or the operator) reported a node gone."""
+
+    node: NodeId
+    observed_at: float
+
+
+@dataclass(frozen=True)
+class KeeperLeaseExpired:
+    """The node keeper's etcd lease (the node's liveness) expired."""
+
+    node: NodeId
+    observed_at: float
+
+
+@dataclass(frozen=True)
+class CollectiveError:
+    """A rank's collective failed (peer reset, timeout); usually a consequence."""
+
+    reporting_rank: Rank
+    observed_at: float
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A rank finished ``step`` (aggregated by its keeper); feeds ``StallDetector``."""
+
+    rank: Rank
+    step: Step
+    observed_at: float
+
+
+@dataclass(frozen=True)
+class LeaseLost:
+    """A worker's membership lease expired (the observation, not the error of that name)."""
+
+    worker_id: WorkerId
+    observed_at: float
+
+
+@dataclass(frozen=True)
+class WorkerRaised:
+    """A worker's entrypoint raised; ``traceback`` is the worker's formatted traceback."""
+
+    rank: Rank
+    traceback: str
+    observed_at: float
+
+
+Signal: TypeAlias = (ActorDied | NodeLost | KeeperLeaseExpired | CollectiveError | Progress
+                     | LeaseLost | WorkerRaised)
+
+# Kinds that explain a collective error in a survivor (the peer it talked to is gone).
+CONSEQUENCE_KINDS = frozenset({FaultKind.COLLECTIVE_ERROR})
+# Per-rank kinds a dead or partitioned node absorbs (its exception, if any, stays).
+_ABSORBED_BY_NODE = frozenset({FaultKind.WORKER_DIED, FaultKind.LEASE_LOST,
+                               FaultKind.COLLECTIVE_ERROR, FaultKind.STALLED})
+_KIND_ORDER = {kind: i for i, kind in enumerate(FaultKind)}
+
+
+def report_order(report: FaultReport) -> tuple[float, int, tuple[Rank, ...], str]:
+    """Sort key: earliest first, then kind, ranks and node, so ties are deterministic."""
+    return (report.observed_at, _KIND_ORDER[report.kind], report.ranks, report.node or "")
+
+
+def root_cause(reports: Sequence[FaultReport]) -> FaultReport:
+    """The earliest report that is not a mere consequence (a collective error is one when a
+    death, stall or exception is also reported); the earliest collective error otherwise.
+    Raises ValueError for an empty sequence."""
+    if not reports:
+        raise ValueError("root_cause needs at least one fault report")
+    causes = [r for r in reports if r.kind not in CONSEQUENCE_KINDS]
+    return min(causes or reports, key=report_order)
+
+
+K = TypeVar("K", Rank, NodeId)
+
+
+class _Earliest(Generic[K]):
+    """(kind, rank or node) -> the earliest observation and its evidence: the dedupe table."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[FaultKind, K], tuple[float, str]] = {}
+
+    def add(self, kind: FaultKind, key: K, at: float, evidence: str) -> None:
+        old = self.seen.get((kind, key))
+        if old is None or at < old[0]:
+            self.seen[(kind, key)] = (at, evidence)
+
+
+def classify(signals: Sequence[Signal], world: WorldView, now: float) -> list[FaultReport]:
+    """Classify one poll's signals against ``world``; reports sorted earliest first.
+
+    Rules: repeated signals collapse to one report (earliest time kept); a node that is
+    lost (or whose keeper lease expired while the node is not live) yields one NODE_DIED
+    listing its ranks and absorbs its workers' deaths, lease losses, stalls and collective
+    errors; a keeper lease expiry on a live node is KEEPER_DIED, or PARTITIONED when workers
+    on that node lost their leases too. Signals about workers or ranks outside ``world``
+    (older generations, spares) are ignored. ``Progress`` is ignored here (feed it to
+    ``StallDetector``). A signal stamped after ``now`` is taken as observed at ``now``.
+    """
+    ranks: _Earliest[Rank] = _Earliest()
+    nodes: _Earliest[NodeId] = _Earliest()
+    keeper_expired: dict[NodeId, float] = {}
+    for signal in signals:
+        at = min(signal.observed_at, now)
+        match signal:
+            case ActorDied(worker_id=worker, detail=detail):
+                _add_worker(ranks, world, worker, FaultKind.WORKER_DIED, at,
+                            f"actor {worker} died" + (f": {detail}" if detail else ""))
+            case LeaseLost(worker_id=worker):
+                _add_worker(ranks, world, worker, FaultKind.LEASE_LOST, at,
+                            f"member lease of {worker} expired")
+            case CollectiveError(reporting_rank=rank, detail=detail):
+                if rank in world.rank_workers:
+                    ranks.add(FaultKind.COLLECTIVE_ERROR, rank, at,
+                              f"rank {rank} collective failed: {detail or 'no detail'}")
+            case WorkerRaised(rank=rank, traceback=text):
+                if rank in world.rank_workers:
+                    ranks.add(FaultKind.WORKER_EXCEPTION, rank, at, text.strip())
+            case NodeLost(node=node):
+                nodes.add(FaultKind.NODE_DIED, node, at, f"node {node} lost")
+            case KeeperLeaseExpired(node=node):
+                keeper_expired[node] = min(at, keeper_expired.get(node, at))
+            case Progress():
+                pass
+            case _:
+                assert_never(signal)
+    _classify_keepers(keeper_expired, ranks, nodes, world)
+    _add_unlive_nodes(ranks, nodes, world)
+    return sorted(_reports(ranks, nodes, world), key=report_order)
+
+
+def _add_worker(table: _Earliest[Rank], world: WorldView, worker: WorkerId, kind: FaultKind,
+                at: float, evidence: str) -> None:
+    rank = world.rank_of(worker)
+    if rank is not None:
+        table.add(kind, rank, at, evidence)
+
+
+def _classify_keepers(expired: dict[NodeId, float], ranks: _Earliest[Rank],
+                      nodes: _Earliest[NodeId],
+                      world: WorldView) -> None:
+    """Keeper lease expiry: dead node, partitioned node, or just the keeper gone."""
+    lease_lost_nodes = {world.node_of(rank) for kind, rank in ranks.seen
+                        if kind is FaultKind.LEASE_LOST}
+    for node, at in expired.items():
+        if node not in world.live_nodes or (FaultKind.NODE_DIED, node) in nodes.seen:
+            nodes.add(FaultKind.NODE_DIED, node, at, f"keeper lease of {node} expired, "
+                      "node not live")
+        elif node in lease_lost_nodes:
+            nodes.add(FaultKind.PARTITIONED, node, at, f"keeper and member leases on {node} "
+                      "expired while the node is live: cut off from etcd")
+        else:
+            nodes.add(FaultKind.KEEPER_DIED, node, at, f"keeper lease of {node} expired "
+                      "while the node is live")
+
+
+def _add_unlive_nodes(ranks: _Earliest[Rank], nodes: _Earliest[NodeId],
+                      world: WorldView) -> None:
+    """A rank fault on a node the world no longer counts live is that node's death."""
+    for kind, rank in list(ranks.seen):
+        node = world.node_of(rank)
+        if node is not None and node not in world.live_nodes and kind in _ABSORBED_BY_NODE:
+            at, _ = ranks.seen[(kind, rank)]
+            nodes.add(FaultKind.NODE_DIED, node, at, f"node {node} is not live")
+
+
+def _reports(ranks: _Earliest[Rank], nodes: _Earliest[NodeId],
+             world: WorldView) -> Iterable[FaultReport]:
+    """Per-rank reports not absorbed by a gone node, then one report per node whose time is
+    its first sign (a worker on it may have been seen dying before the node was)."""
+    gone = {node for kind, node in nodes.seen
+            if kind in (FaultKind.NODE_DIED, FaultKind.PARTITIONED)}
+    first_sign: dict[NodeId, float] = {}
+    for (kind, rank), (at, evidence) in ranks.seen.items():
+        node = world.node_of(rank)
+        if node is not None and node in gone and kind in _ABSORBED_BY_NODE:
+            first_sign[node] = min(at, first_sign.get(node, at))
+            continue
+        yield FaultReport(kind, (rank,), node, at, evidence)
+    for (kind, node), (at, evidence) in nodes.seen.items():
+        yield FaultReport(kind, world.ranks_on(node), node, min(at, first_sign.get(node, at)),
+                          evidence)
+
+
+# --- stalls -------------------------------------------------------------------------------
+
+
+class StallDetector:
+    """Finds ranks whose step stopped advancing, from progress samples on a manual clock.
+
+    A rank is stalled once ``stall_timeout_s`` has passed since it reached its current step
+    (``now - reached_at >= stall_timeout_s``) and no other rank is behind it: ranks ahead of
+    a laggard are waiting for it, so only the laggards are reported. When every rank is stuck
+    at one step, every rank is reported (a job-wide hang). ``check`` is a pure query; only
+    ``observe``/``forget``/``reset`` change state. Called from the coordinator thread only.
+    """
+
+    def __init__(self, stall_timeout_s: float) -> None:
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be positive, got {stall_timeout_s}")
+        self.stall_timeout_s = stall_timeout_s
+        self._step: dict[Rank, Step] = {}
+        self._reached_at: dict[Rank, float] = {}
+
+    @classmethod
+    def from_config(cls, cfg: DetectionConfig) -> StallDetector:
+        return cls(cfg.stall_timeout_s)
+
+    def observe(self, sample: Progress) -> None:
+        """Record a progress sample. A new step (higher, or lower after a rollback) restarts
+        the rank's timer; the same step again does not; a sample older than the rank's
+        current step's arrival is ignored (reordered delivery)."""
+        rank, step, at = sample.rank, sample.step, sample.observed_at
+        if rank in self._step and (step == self._step[rank] or at < self._reached_at[rank]):
+            return
+        self._step[rank] = step
+        self._reached_at[rank] = at
+
+    def forget(self, rank: Rank) -> None:
+        """Stop tracking ``rank`` (it was replaced; the new worker starts a fresh timer)."""
+        self._step.pop(rank, None)
+        self._reached_at.pop(rank, None)
+
+    def reset(self) -> None:
+        """Forget every rank (a new generation starts)."""
+        self._step.clear()
+        self._reached_at.clear()
+
+    def check(self, now: float) -> list[FaultReport]:
+        """STALLED reports (one per laggard rank, ascending) as of ``now``."""
+        if not self._step:
+            return []
+        lowest, furthest = min(self._step.values()), max(self._step.values())
+        reports = []
+        for rank in sorted(self._step):
+            step, since = self._step[rank], self._reached_at[rank]
+            if step != lowest or now - since < self.stall_timeout_s:
+                continue
+            reports.append(FaultReport(
+                FaultKind.STALLED, (rank,), None, since + self.stall_timeout_s,
+                f"rank {rank} stayed at step {step} for {now - since:.3f} s "
+                f"(stall_timeout_s={self.stall_timeout_s}); furthest rank at step {furthest}"))
+        return reports

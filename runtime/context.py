@@ -1,0 +1,73 @@
+"""What a worker process learns from its launcher: the ``PHALANX_*`` and torchrun-compatible
+environment, parsed once into one frozen value."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Mapping
+
+from configs.errors import ConfigError
+
+ENV_KEY = "PHALANX_CONTEXT"
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Everything a rank needs to join its job; ``standalone()`` when run without phalanx."""
+
+    job: str
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    node: str = "node-0"
+    worker_id: str = "standalone"
+    generation: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_prefix: str = "/phalanx"
+    lease_ttl_s: float = 3.0
+    heartbeat_s: float = 0.5
+    group_timeout_s: float = 30.0
+    run_dir: str = ""
+    torch_threads: int = 1
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def standalone_run(self) -> bool:
+        return self.master_port == 0
+
+    def to_env(self) -> dict[str, str]:
+        """torchrun-compatible variables plus the whole context as JSON."""
+        return {
+            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank), "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port), "PHALANX_JOB": self.job,
+            "PHALANX_NODE": self.node, "PHALANX_GENERATION": str(self.generation),
+            ENV_KEY: json.dumps(asdict(self), sort_keys=True),
+        }
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerContext":
+        """The context the launcher gave us, or a one-rank standalone context."""
+        env = os.environ if env is None else env
+        raw = env.get(ENV_KEY)
+        if raw is None:
+            return cls.standalone()
+        try:
+            data = json.loads(raw)
+            known = {f.name for f in fields(cls)}
+            unknown = set(data) - known
+            if unknown:
+                raise ValueError(f"unknown fields {sorted(unknown)}")
+            data["etcd_endpoints"] = tuple(data.get("etcd_endpoints", ()))
+            return cls(**data)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(ENV_KEY, f"cannot be parsed: {exc}",
+                              "it is written by `phalanx launch`; do not set it by hand",
+                              source="environment") from exc
+
+    @classmethod
+    def standalone(cls) -> "WorkerContext":
+        return cls(job="standalone", rank=0, world_size=1)

@@ -1,0 +1,240 @@
+"""The keeper's wire ops: the server-side op table a Keeper serves and the ``KeeperClient``
+workers and peers call it with, plus the errors a keeper answers with.
+
+Snapshot payload bytes travel raw; manifests are opaque bytes sent at the start of the
+payload (``manifest_nbytes``), never inside the JSON header.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Protocol
+
+from configs.errors import FatalError, TransientError
+from runtime.frames import FrameInvalid, register_remote_error
+from runtime.transport import DEFAULT_TIMEOUT_S, FrameClient, Reply, Request
+
+MAX_MANIFEST_BYTES = 64 << 20
+# A keeper allocates (fallocate) a slot file at >= ~0.2 GB/s on a loaded 2-core machine.
+_ALLOC_BYTES_PER_S = 100e6
+
+
+@register_remote_error
+class SlotBusy(TransientError):
+    """Every slot a claim could use is being read by a peer or protected; retry soon."""
+
+
+@register_remote_error
+class KeeperRequestInvalid(FatalError):
+    """A request broke the keeper's protocol: unknown op or rank, unclaimed slot, bad size."""
+
+
+class _Served(Protocol):
+    """What the op table needs of a Keeper (runtime.keeper.Keeper)."""
+
+    node: str
+    job: str
+
+    def alloc(self, rank: int, nbytes: int) -> list[str]: ...
+    def claim(self, rank: int, protect_step: int | None = None) -> tuple[int, str]: ...
+    def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int) -> None: ...
+    def pin(self, rank: int, step: int | None = None) -> tuple[str, Any]: ...
+    def unpin(self, held: Any) -> None: ...
+    def store_replica(self, rank: int, step: int, manifest: bytes, nbytes: int,
+                      fill: Callable[[memoryview], None]) -> list[int]: ...
+    def holdings(self) -> dict[int, dict[str, Any]]: ...
+    def stats(self) -> dict[str, int]: ...
+    def drop(self, rank: int | None, below_step: int | None = None,
+             above_step: int | None = None) -> dict[str, list[int]]: ...
+
+
+def handle(keeper: _Served, request: Request) -> Reply:
+    """Run one op for a connection thread; raises PhalanxErrors the client re-raises."""
+    h = request.header
+    match h.get("op"):
+        case "ping":
+            return Reply({"node": keeper.node, "job": keeper.job, "pid": os.getpid()})
+        case "alloc":
+            return Reply({"paths": keeper.alloc(_int(h, "rank"), _int(h, "size"))})
+        case "claim":
+            slot, path = keeper.claim(_int(h, "rank"), _int(h, "protect_step", None))
+            return Reply({"slot": slot, "path": path})
+        case "publish":
+            manifest = _manifest(request, request.payload.nbytes)
+            keeper.publish(_int(h, "rank"), _int(h, "step"), _int(h, "slot"), manifest,
+                           _int(h, "size"))
+            return Reply({})
+        case "get":
+            return _get(keeper, _int(h, "rank"), _int(h, "step", None))
+        case "put_replica":
+            rank, step = _int(h, "rank"), _int(h, "step")
+            manifest = _manifest(request, _int(h, "manifest_nbytes"))
+            evicted = keeper.store_replica(rank, step, manifest, request.payload.remaining,
+                                           request.payload.recv_into)
+            return Reply({"evicted": evicted})
+        case "list":
+            return Reply({"ranks": {str(r): v for r, v in keeper.holdings().items()}})
+        case "stats":
+            return Reply(keeper.stats())
+        case "drop":
+            return Reply(keeper.drop(_int(h, "rank", None), _int(h, "below_step", None),
+                                     _int(h, "above_step", None)))
+        case op:
+            raise KeeperRequestInvalid(f"keeper {keeper.node}: unknown op {op!r}")
+
+
+def _get(keeper: _Served, rank: int, step: int | None) -> Reply:
+    """Stream manifest + payload straight from the pinned mmap; unpinned once sent."""
+    source, held = keeper.pin(rank, step)
+    try:
+        view = held.buf.view(held.used)
+    except BaseException:
+        keeper.unpin(held)
+        raise
+
+    def done() -> None:
+        view.release()
+        keeper.unpin(held)
+
+    header = {"rank": rank, "step": held.step, "source": source,
+              "manifest_nbytes": len(held.manifest), "size": held.used}
+    return Reply(header, [held.manifest, view], done)
+
+
+_REQUIRED = object()
+
+
+def _int(header: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any:
+    value = header.get(key)
+    if value is None and default is not _REQUIRED:
+        return default
+    if type(value) is not int:
+        raise KeeperRequestInvalid(f"field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _manifest(request: Request, nbytes: int) -> bytes:
+    if not 0 <= nbytes <= min(request.payload.remaining, MAX_MANIFEST_BYTES):
+        raise KeeperRequestInvalid(f"manifest of {nbytes} bytes is negative, larger than the "
+                                   f"payload or over {MAX_MANIFEST_BYTES}")
+    return bytes(request.payload.read(nbytes))
+
+
+class KeeperClient:
+    """A worker's or peer's handle on one keeper (thread-safe, one request at a time).
+
+    Raises PeerUnreachable, PeerRefused, StaleGeneration (write ops of a fenced
+    generation), SnapshotNotFound, SlotBusy, KeeperRequestInvalid, ConfigError (shm full).
+    """
+
+    def __init__(self, host: str, port: int, secret: bytes, job: str,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, *, role: str = "worker",
+                 generation: int = 0) -> None:
+        self._frames = FrameClient(host, port, secret, job, role, timeout_s,
+                                   generation=generation)
+        self._timeout_s = timeout_s
+
+    @property
+    def address(self) -> str:
+        return self._frames.address
+
+    @property
+    def generation(self) -> int:
+        return self._frames.generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._frames.generation = value
+
+    def ping(self) -> dict[str, Any]:
+        return self._call({"op": "ping"})
+
+    def alloc(self, rank: int, nbytes: int) -> list[str]:
+        """Paths of the rank's slot files (created, sized and pre-touched by the keeper)."""
+        wait = self._timeout_s + 4 * nbytes / _ALLOC_BYTES_PER_S
+        reply = self._call({"op": "alloc", "rank": rank, "size": nbytes}, reply_timeout_s=wait)
+        return reply["paths"]
+
+    def claim(self, rank: int, protect_step: int | None = None) -> tuple[int, str]:
+        """(slot, path) to write the next snapshot into; unpublished until ``publish``."""
+        reply = self._call({"op": "claim", "rank": rank, "protect_step": protect_step},
+                           reply_timeout_s=2 * self._timeout_s)
+        return reply["slot"], reply["path"]
+
+    def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int) -> None:
+        self._call({"op": "publish", "rank": rank, "step": step, "slot": slot, "size": nbytes},
+                   manifest)
+
+    def get(self, rank: int, step: int | None = None) -> tuple[int, bytes, bytearray]:
+        """(step, manifest, payload) of ``rank`` at ``step`` or the newest held."""
+        holder: dict[str, Any] = {}
+        reply = self._frames.request_into(self._stamp({"op": "get", "rank": rank, "step": step}),
+                                          self._sink(holder, None))
+        return reply["step"], bytes(holder["manifest"]), holder["payload"]
+
+    def get_into(self, rank: int, dest: memoryview,
+                 step: int | None = None) -> tuple[int, bytes, int]:
+        """Like ``get`` but the payload lands at the start of ``dest`` (e.g. an mmap);
+        returns (step, manifest, payload size). FrameInvalid if it does not fit."""
+        holder: dict[str, Any] = {}
+        reply = self._frames.request_into(self._stamp({"op": "get", "rank": rank, "step": step}),
+                                          self._sink(holder, dest))
+        return reply["step"], bytes(holder["manifest"]), reply["size"]
+
+    def put_replica(self, rank: int, step: int, manifest: bytes,
+                    payload: bytes | bytearray | memoryview) -> list[int]:
+        """Send a replica (streamed from ``payload``, e.g. a view of the slot mmap);
+        returns the steps the keeper evicted to stay at its retention."""
+        header = {"op": "put_replica", "rank": rank, "step": step, "manifest_nbytes": len(manifest)}
+        return self._call(header, [manifest, payload])["evicted"]
+
+    def holdings(self) -> dict[int, dict[str, Any]]:
+        """Per rank: {"local": [steps], "replica": [steps], "writing": bool} (wire op list)."""
+        return {int(r): v for r, v in self._call({"op": "list"})["ranks"].items()}
+
+    def latest(self, rank: int) -> int | None:
+        held = self.holdings().get(rank, {})
+        return max(held.get("local", []) + held.get("replica", []), default=None)
+
+    def stats(self) -> dict[str, int]:
+        return {k: v for k, v in self._call({"op": "stats"}).items() if k not in ("ok", "nbytes")}
+
+    def drop(self, rank: int | None, below_step: int | None = None,
+             above_step: int | None = None) -> dict[str, list[int]]:
+        reply = self._call({"op": "drop", "rank": rank, "below_step": below_step,
+                            "above_step": above_step})
+        return {"local": reply["local"], "replica": reply["replica"]}
+
+    def close(self) -> None:
+        self._frames.close()
+
+    def __enter__(self) -> "KeeperClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _stamp(self, header: dict[str, Any]) -> dict[str, Any]:
+        return {**header, "generation": self._frames.generation}
+
+    def _call(self, header: dict[str, Any], payload: Any = None,
+              reply_timeout_s: float | None = None) -> dict[str, Any]:
+        reply, _ = self._frames.request(self._stamp(header), payload,
+                                        reply_timeout_s=reply_timeout_s)
+        return reply
+
+    @staticmethod
+    def _sink(holder: dict[str, Any], dest: memoryview | None) -> Callable[[dict], list]:
+        def sink(reply: dict[str, Any]) -> list[memoryview]:
+            size = reply["size"]
+            holder["manifest"] = bytearray(reply["manifest_nbytes"])
+            if dest is None:
+                holder["payload"] = bytearray(size)
+                target = memoryview(holder["payload"])
+            else:
+                target = memoryview(dest).cast("B")
+                if size > target.nbytes:
+                    raise FrameInvalid(f"snapshot of {size} bytes does not fit the "
+                                       f"destination of {target.nbytes} bytes")
+                target = target[:size]
+            return [memoryview(holder["manifest"]), target]
+        return sink

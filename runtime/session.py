@@ -1,0 +1,150 @@
+"""The training script's handle on phalanx: registered state, the step boundary, the
+collective group and membership of one rank.
+
+    session = phalanx.Session()
+    session.register(model=model, optimizer=opt)
+    while session.step_index < steps:
+        with session.step():
+            ...  # forward, backward, session.all_reduce(grad), optimizer.step()
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from configs.errors import LeaseLost, MembershipUnavailable
+from runtime.base import MemberRecord
+from runtime.context import WorkerContext
+from runtime.membership_etcd import EtcdMembership, job_prefix
+from runtime.process_group import all_reduce, connect_store, form_group
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    """One rank's participation in a phalanx job.
+
+    Constructed in the training process (the worker's thread). ``start()`` joins the
+    generation's group and etcd; raises ``PeerUnreachable`` or ``MembershipUnavailable``.
+    A heartbeat thread reports progress to etcd every ``heartbeat_s``.
+    """
+
+    def __init__(self, context: WorkerContext | None = None) -> None:
+        self.context = context or WorkerContext.from_env()
+        self._objects: dict[str, Any] = {}
+        self._step_index = 0
+        self._store: dist.Store | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._membership: EtcdMembership | None = None
+        self._heartbeat: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._started = False
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> "Session":
+        if self._started:
+            return self
+        ctx = self.context
+        torch.set_num_threads(ctx.torch_threads)
+        if not ctx.standalone_run:
+            self._store = connect_store(ctx, ctx.group_timeout_s)
+            self._group = form_group(self._store, ctx.generation, ctx.rank, ctx.world_size,
+                                     ctx.group_timeout_s)
+        if ctx.etcd_endpoints:
+            self._membership = EtcdMembership(list(ctx.etcd_endpoints),
+                                              job_prefix(ctx.etcd_prefix, ctx.job)).connect()
+            self._membership.join(self._record(), ctx.lease_ttl_s)
+            self._heartbeat = threading.Thread(target=self._beat, name="phalanx-heartbeat",
+                                               daemon=True)
+            self._heartbeat.start()
+        self._started = True
+        return self
+
+    def close(self) -> None:
+        """Leave membership and stop the heartbeat; the group is dropped with the process."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=self.context.heartbeat_s * 4)
+            self._heartbeat = None
+        if self._membership is not None:
+            try:
+                self._membership.update(self._record(state="finished"))
+            except (MembershipUnavailable, LeaseLost) as exc:
+                log.warning("event=final_progress_lost rank=%d error=%s", self.rank, exc)
+            self._membership.close()
+            self._membership = None
+        self._group = None
+        self._store = None
+        self._started = False
+
+    def __enter__(self) -> "Session":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- identity ---------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    @property
+    def step_index(self) -> int:
+        """The step the loop should run next (it moves back after a recovery)."""
+        return self._step_index
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self._group
+
+    # -- state and steps ---------------------------------------------------------------
+    def register(self, **objects: Any) -> None:
+        """Register training state by name: anything with ``state_dict()``/``load_state_dict()``
+        (model, optimizer, scheduler, sampler), ``phalanx.RNGState()``, or JSON values/tensors."""
+        for name, obj in objects.items():
+            if name in self._objects:
+                raise ValueError(f"state {name!r} is already registered")
+            self._objects[name] = obj
+
+    @contextmanager
+    def step(self) -> Iterator[int]:
+        """Wrap one training step; yields the step index being run."""
+        if not self._started:
+            self.start()
+        yield self._step_index
+        self._step_index += 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over every rank of the current generation."""
+        return all_reduce(self._group, tensor)
+
+    # -- progress ----------------------------------------------------------------------
+    def _record(self, state: str = "running") -> MemberRecord:
+        ctx = self.context
+        return MemberRecord(worker_id=ctx.worker_id, rank=ctx.rank, node=ctx.node,
+                            step=self._step_index, generation=ctx.generation, pid=os.getpid(),
+                            extra={"state": state, "time": time.time()})
+
+    def _beat(self) -> None:
+        """Heartbeat thread: refresh our member record (progress) every heartbeat."""
+        assert self._membership is not None
+        last_step = None
+        while not self._stop.wait(self.context.heartbeat_s):
+            if self._step_index == last_step:
+                continue
+            last_step = self._step_index
+            try:
+                self._membership.update(self._record())
+            except (MembershipUnavailable, LeaseLost) as exc:
+                log.warning("event=heartbeat_failed rank=%d error=%s", self.rank, exc)

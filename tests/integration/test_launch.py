@@ -1,0 +1,113 @@
+"""`phalanx launch` end to end: real etcd, real Ray with virtual nodes, real gloo."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.train_mlp import batch, make_model, parameter_hash
+from tests.integration.launching import ROOT, launch, phalanx_command
+from tests.plugins.leaks import Footprint, assert_nothing_left
+
+pytestmark = pytest.mark.integration
+
+SMALL = ("job.args.steps=12", "job.args.sleep_per_step_s=0", "spares.count=0")
+
+
+def reference_hash(world: int, steps: int, batch_size: int = 32, hidden: int = 64,
+                   lr: float = 0.05, seed: int = 0) -> str:
+    """The data-parallel result computed in one process (sum of two gradients then /2 is
+    exactly what a 2-rank all-reduce does)."""
+    model = make_model(hidden, seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
+    for step in range(steps):
+        grads = []
+        for rank in range(world):
+            model.zero_grad(set_to_none=False)
+            x, y = batch(seed, rank, step, batch_size)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for index, p in enumerate(model.parameters()):
+            total = grads[0][index].clone()
+            for other in grads[1:]:
+                total += other[index]
+            p.grad.copy_(total / world)
+        optimizer.step()
+        scheduler.step()
+    return parameter_hash(model)
+
+
+@pytest.mark.timeout(300)
+def test_world_two_is_deterministic_and_matches_reference(tmp_path: Path) -> None:
+    first = launch("configs/demo.yaml", "job.world_size=2", *SMALL, run_root=tmp_path)
+    assert first.returncode == 0, first.stderr
+    second = launch("configs/demo.yaml", "job.world_size=2", *SMALL, run_root=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert set(first.hashes) == {0, 1}
+    assert len(set(first.hashes.values())) == 1, first.hashes
+    assert first.hashes == second.hashes
+    torch.set_num_threads(1)
+    assert first.hashes[0] == reference_hash(world=2, steps=12)
+
+
+@pytest.mark.timeout(300)
+def test_world_four_on_two_nodes_leaves_nothing_behind(tmp_path: Path, footprint: Footprint) -> None:
+    result = launch("configs/demo.yaml", "job.world_size=4", *SMALL, run_root=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert set(result.hashes) == {0, 1, 2, 3}
+    assert len(set(result.hashes.values())) == 1
+    run_dir = Path(result.stdout.strip().splitlines()[-1].split(": ", 1)[1])
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "job.json").is_file()
+    assert not (run_dir / "etcd").exists(), "embedded etcd data dir must be removed"
+    assert {p.name for p in (run_dir / "logs").iterdir()} >= {f"rank_{r}.log" for r in range(4)}
+    assert_nothing_left(footprint)
+
+
+@pytest.mark.timeout(300)
+def test_worker_exception_fails_job_with_its_traceback(tmp_path: Path, footprint: Footprint) -> None:
+    result = launch("configs/demo.yaml", "job.world_size=2", "spares.count=0",
+                    "job.entrypoint=tests/integration/jobs/fail_at_step.py:main",
+                    "job.args={steps: 20, fail_rank: 1, fail_step: 3}", run_root=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "rank 1" in result.stderr
+    assert "ValueError: injected failure on rank 1 at step 3" in result.stderr
+    assert "fail_at_step.py" in result.stderr  # the worker's own traceback, not Ray's
+    assert_nothing_left(footprint)
+
+
+@pytest.mark.timeout(300)
+def test_interrupt_stops_every_service(tmp_path: Path, footprint: Footprint) -> None:
+    cmd = phalanx_command("configs/demo.yaml", "job.args.steps=100000",
+                          "job.args.sleep_per_step_s=0.01", "spares.count=0", run_root=tmp_path)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        latest = tmp_path / "latest"
+        while time.monotonic() < deadline:  # wait until the ranks are training
+            logs = Path(latest.read_text().strip()) / "logs" if latest.exists() else None
+            if logs and logs.is_dir() and len(list(logs.iterdir())) >= 2:
+                break
+            time.sleep(0.5)
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert_nothing_left(footprint)
+
+
+@pytest.mark.timeout(60)
+def test_bad_config_fails_before_anything_starts(tmp_path: Path, footprint: Footprint) -> None:
+    result = launch("configs/demo.yaml", "etcd.heartbeat_s=5", run_root=tmp_path)
+    assert result.returncode == 2
+    assert "etcd.heartbeat_s" in result.stderr and "lease_ttl_s" in result.stderr
+    assert not (tmp_path / "latest").exists()
+    assert_nothing_left(footprint, grace_s=1)
