@@ -55,6 +55,16 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
     return _build(PhalanxConfig, root, "", _Origins(source))
 
 
+def load_config_text(text: str, source: str = "<text>") -> PhalanxConfig:
+    """Build a config from YAML text (e.g. a ``dump_config`` passed to another process)."""
+    root = _compose_text(text, source)
+    if root is None:
+        mark = Mark(source, 0, -1, 0, None, None)
+        root = yaml.MappingNode(_MAP_TAG, [], mark, mark)
+    _reject_duplicates(root, "", source, set())
+    return _build(PhalanxConfig, root, "", _Origins(source))
+
+
 def dump_config(cfg: PhalanxConfig) -> str:
     """The full effective config as YAML (defaults included), loadable by ``load_config``."""
     header = "# phalanx effective config: every key, defaults included\n"
@@ -105,6 +115,11 @@ def _compose_file(path: Path, source: str) -> yaml.Node | None:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(FILE_KEY, f"cannot be read: {exc}", "pass a UTF-8 YAML file",
                           source) from None
+    return _compose_text(text, source)
+
+
+def _compose_text(text: str, source: str) -> yaml.Node | None:
+    """The YAML node tree of ``text`` (None when empty); errors become ConfigError."""
     loader = yaml.SafeLoader(text)
     loader.name = source  # every mark (and so every line we report) names the file
     try:

@@ -67,6 +67,9 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
     for rank, digest in hashes.items():
         if digest:
             print(f"rank {rank} final parameter hash {digest}")
+    for node, held in result.keepers.items():
+        summary = ", ".join(f"rank {rank}: steps {info.get('local')}" for rank, info in sorted(held.items()))
+        print(f"keeper {node}: {summary}")
     print(f"run directory: {result.run_dir}")
     return EXIT_OK
 

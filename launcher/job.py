@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import time
 from dataclasses import dataclass, field
@@ -16,8 +17,10 @@ from ray.exceptions import RayActorError, RayTaskError
 from rich.console import Console
 
 from configs.errors import PhalanxError, WorkerFailed
+from configs.loader import dump_config
 from configs.schema import PhalanxConfig
 from launcher.entrypoint import resolve_path
+from launcher.keeper_actor import KeeperActor, node_name
 from launcher.progress import ProgressView
 from launcher.ray_cluster import node_resource
 from launcher.rundir import RunDir
@@ -37,6 +40,7 @@ class JobResult:
     run_dir: Path
     results: dict[int, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    keepers: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +60,8 @@ class JobRunner:
         self.cfg = cfg
         self.console = console or Console(stderr=True)
         self.entrypoint = resolve_path(cfg.job.entrypoint, base_dir or Path.cwd())
+        self.secret_hex = secrets.token_hex(32)
+        self.keepers: dict[int, tuple[Any, tuple[str, int]]] = {}
 
     def run(self) -> JobResult:
         started = time.monotonic()
@@ -67,22 +73,49 @@ class JobRunner:
             run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
                            "etcd_prefix": self.cfg.etcd.prefix, "launcher_pid": os.getpid(),
                            "world_size": self.cfg.job.world_size})
+            self._start_keepers(stack)
             ranks = self._start_workers(services, run, stack)
             results = self._watch(services, ranks)
-        result = JobResult(run.path, results, time.monotonic() - started)
+            holdings = self._keeper_holdings()
+        result = JobResult(run.path, results, time.monotonic() - started, holdings)
         self.console.print(f"phalanx: job {self.cfg.job.name} finished in {result.seconds:.1f} s")
         return result
 
+    def _start_keepers(self, stack: contextlib.ExitStack) -> None:
+        """One keeper per node, pinned to it, before any worker starts."""
+        if not self.cfg.snapshot.enabled:
+            return
+        config_yaml = dump_config(self.cfg)
+        actors = {}
+        for node in range(self.cfg.job.nodes):
+            actor = KeeperActor.options(resources={node_resource(node): 1},
+                                        name=f"{self.cfg.job.name}-keeper{node}").remote(
+                node_name(node), config_yaml, self.secret_hex)
+            stack.callback(_close_keeper, actor)
+            actors[node] = actor
+        addresses = ray.get([actor.address.remote() for actor in actors.values()], timeout=60)
+        self.keepers = {node: (actor, tuple(addr)) for (node, actor), addr
+                        in zip(actors.items(), addresses)}
+
+    def _keeper_holdings(self) -> dict[str, Any]:
+        """What each keeper holds at the end of the run (for the summary and tests)."""
+        names = [node_name(node) for node in self.keepers]
+        refs = [actor.holdings.remote() for actor, _ in self.keepers.values()]
+        return dict(zip(names, ray.get(refs, timeout=30))) if refs else {}
+
     def _context(self, services: Services, run: RunDir, rank: int, node: int) -> WorkerContext:
         cfg = self.cfg
+        keeper_host, keeper_port = self.keepers[node][1] if node in self.keepers else ("", 0)
         return WorkerContext(
             job=cfg.job.name, rank=rank, world_size=cfg.job.world_size,
-            local_rank=rank // cfg.job.nodes, node=f"node-{node}", worker_id=f"w{rank}-g0",
+            local_rank=rank // cfg.job.nodes, node=node_name(node), worker_id=f"w{rank}-g0",
             generation=0, master_addr=services.store_host, master_port=services.store.port,
             etcd_endpoints=tuple(services.etcd_endpoints), etcd_prefix=cfg.etcd.prefix,
             lease_ttl_s=cfg.etcd.lease_ttl_s, heartbeat_s=cfg.etcd.heartbeat_s,
             group_timeout_s=cfg.recovery.group_timeout_s, run_dir=str(run.path),
-            torch_threads=cfg.job.torch_threads)
+            torch_threads=cfg.job.torch_threads, keeper_host=keeper_host, keeper_port=keeper_port,
+            snapshot_every=str(cfg.snapshot.every_steps),
+            overhead_budget=cfg.snapshot.overhead_budget, secret_hex=self.secret_hex)
 
     def _start_workers(self, services: Services, run: RunDir,
                        stack: contextlib.ExitStack) -> list[_Rank]:
@@ -136,6 +169,13 @@ def _result_of(ref: Any, rank: int) -> Any:
         raise WorkerFailed(rank, str(exc).splitlines()[0], str(exc)) from None
     except RayActorError as exc:
         raise WorkerFailed(rank, f"worker process died: {exc}") from None
+
+
+def _close_keeper(actor: Any) -> None:
+    """Let the keeper unlink its shared memory, then stop its process."""
+    with contextlib.suppress(Exception):  # teardown: the keeper may already be gone
+        ray.get(actor.close.remote(), timeout=10)
+    _kill_actor(actor)
 
 
 def _kill_actor(actor: Any) -> None:

@@ -20,7 +20,7 @@ class WorkerContext:
     rank: int
     world_size: int
     local_rank: int = 0
-    node: str = "node-0"
+    node: str = "node0"
     worker_id: str = "standalone"
     generation: int = 0
     master_addr: str = "127.0.0.1"
@@ -32,7 +32,16 @@ class WorkerContext:
     group_timeout_s: float = 30.0
     run_dir: str = ""
     torch_threads: int = 1
+    keeper_host: str = ""
+    keeper_port: int = 0
+    snapshot_every: str = "1"          # an integer as text, or "auto"
+    overhead_budget: float = 0.03
+    secret_hex: str = field(default="", repr=False)
     extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def secret(self) -> bytes | None:
+        return bytes.fromhex(self.secret_hex) if self.secret_hex else None
 
     @property
     def standalone_run(self) -> bool:

@@ -22,8 +22,24 @@ import torch.distributed as dist
 from configs.errors import LeaseLost, MembershipUnavailable
 from runtime.base import MemberRecord
 from runtime.context import WorkerContext
+from runtime.keeper_wire import KeeperClient
 from runtime.membership_etcd import EtcdMembership, job_prefix
 from runtime.process_group import all_reduce, connect_store, form_group
+from runtime.snapshotter import SnapshotPolicy, Snapshotter
+from runtime.state_tree import RNGState
+
+
+class _Progress:
+    """The session's own state inside every snapshot: which step runs next."""
+
+    def __init__(self) -> None:
+        self.step_index = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step_index": self.step_index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step_index = int(state["step_index"])
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +52,15 @@ class Session:
     A heartbeat thread reports progress to etcd every ``heartbeat_s``.
     """
 
-    def __init__(self, context: WorkerContext | None = None) -> None:
+    def __init__(self, context: WorkerContext | None = None, capture_rng: bool = True) -> None:
         self.context = context or WorkerContext.from_env()
-        self._objects: dict[str, Any] = {}
-        self._step_index = 0
+        self._progress = _Progress()
+        self._objects: dict[str, Any] = {"__phalanx__": self._progress}
+        if capture_rng:
+            self._objects["__rng__"] = RNGState()
+        self._keeper: KeeperClient | None = None
+        self._snapshotter: Snapshotter | None = None
+        self._step_started = 0.0
         self._store: dist.Store | None = None
         self._group: dist.ProcessGroup | None = None
         self._membership: EtcdMembership | None = None
@@ -64,12 +85,38 @@ class Session:
             self._heartbeat = threading.Thread(target=self._beat, name="phalanx-heartbeat",
                                                daemon=True)
             self._heartbeat.start()
+        if ctx.keeper_port:
+            self._start_snapshots()
         self._started = True
         return self
 
+    def _start_snapshots(self) -> None:
+        ctx = self.context
+        self._keeper = KeeperClient(ctx.keeper_host, ctx.keeper_port, ctx.secret or b"", ctx.job,
+                                    timeout_s=ctx.group_timeout_s, generation=ctx.generation)
+        every: int | str = "auto" if ctx.snapshot_every == "auto" else int(ctx.snapshot_every)
+        self._snapshotter = Snapshotter(
+            self._keeper, job=ctx.job, rank=ctx.rank, generation=ctx.generation,
+            secret=ctx.secret, policy=SnapshotPolicy(every, ctx.overhead_budget))
+        for obj in self._objects.values():
+            self._hook_optimizer(obj)
+
+    def _hook_optimizer(self, obj: Any) -> None:
+        """CUDA snapshots copy on a side stream: an optimizer step must wait for that copy."""
+        if self._snapshotter is not None and isinstance(obj, torch.optim.Optimizer):
+            snapshotter = self._snapshotter
+            obj.register_step_pre_hook(lambda *_: snapshotter.wait_for_copy())
+
     def close(self) -> None:
-        """Leave membership and stop the heartbeat; the group is dropped with the process."""
+        """Publish the last snapshot, leave membership and stop the heartbeat; the group is
+        dropped with the process."""
         self._stop.set()
+        if self._snapshotter is not None:
+            self._snapshotter.close()
+            self._snapshotter = None
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=self.context.heartbeat_s * 4)
             self._heartbeat = None
@@ -102,7 +149,7 @@ class Session:
     @property
     def step_index(self) -> int:
         """The step the loop should run next (it moves back after a recovery)."""
-        return self._step_index
+        return self._progress.step_index
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -113,17 +160,29 @@ class Session:
         """Register training state by name: anything with ``state_dict()``/``load_state_dict()``
         (model, optimizer, scheduler, sampler), ``phalanx.RNGState()``, or JSON values/tensors."""
         for name, obj in objects.items():
-            if name in self._objects:
-                raise ValueError(f"state {name!r} is already registered")
+            if name in self._objects or name.startswith("__"):
+                raise ValueError(f"state {name!r} is already registered or reserved")
             self._objects[name] = obj
+            self._hook_optimizer(obj)
 
     @contextmanager
     def step(self) -> Iterator[int]:
         """Wrap one training step; yields the step index being run."""
         if not self._started:
             self.start()
-        yield self._step_index
-        self._step_index += 1
+        started = time.perf_counter()
+        yield self._progress.step_index
+        self._progress.step_index += 1
+        snapshotter = self._snapshotter
+        if snapshotter is not None:
+            snapshotter.observe_step(time.perf_counter() - started)
+            if snapshotter.due(self._progress.step_index):
+                snapshotter.capture(self._progress.step_index, self._objects)
+
+    @property
+    def snapshot_stats(self) -> Any:
+        """Counters of the snapshotter (captures, last stall, interval), or None."""
+        return None if self._snapshotter is None else self._snapshotter.stats
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over every rank of the current generation."""
@@ -133,7 +192,8 @@ class Session:
     def _record(self, state: str = "running") -> MemberRecord:
         ctx = self.context
         return MemberRecord(worker_id=ctx.worker_id, rank=ctx.rank, node=ctx.node,
-                            step=self._step_index, generation=ctx.generation, pid=os.getpid(),
+                            step=self._progress.step_index, generation=ctx.generation,
+                            pid=os.getpid(),
                             extra={"state": state, "time": time.time()})
 
     def _beat(self) -> None:
@@ -141,9 +201,9 @@ class Session:
         assert self._membership is not None
         last_step = None
         while not self._stop.wait(self.context.heartbeat_s):
-            if self._step_index == last_step:
+            if self._progress.step_index == last_step:
                 continue
-            last_step = self._step_index
+            last_step = self._progress.step_index
             try:
                 self._membership.update(self._record())
             except (MembershipUnavailable, LeaseLost) as exc:

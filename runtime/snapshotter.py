@@ -1,0 +1,220 @@
+"""Per-step capture of one rank's state into keeper-owned shared memory.
+
+The training thread pays only for flattening the state and one copy per tensor into a
+reused, pre-faulted slot (a non-blocking device-to-host enqueue for CUDA tensors); the
+checksums, the manifest and the publish to the keeper run on a background thread, which
+the next capture waits for (double buffering: two slots, one being filled while the other
+holds the newest complete step).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from runtime.keeper_wire import KeeperClient
+from runtime.snapshot_format import SnapshotLayout, checksums, make_manifest, plan_layout, write_into
+from runtime.state_tree import flatten_state
+
+log = logging.getLogger(__name__)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+AUTO_MAX_INTERVAL = 1000
+
+
+@dataclass(frozen=True)
+class SnapshotPolicy:
+    every_steps: int | str = 1          # an interval, or "auto"
+    overhead_budget: float = 0.03
+
+
+@dataclass
+class SnapshotStats:
+    captures: int = 0
+    last_step: int = -1
+    last_stall_s: float = 0.0
+    last_background_s: float = 0.0
+    interval: int = 1
+    bytes: int = 0
+
+
+class _IntervalController:
+    """Picks the snapshot interval: fixed, or ``auto`` — the most frequent interval whose
+    measured cost (training stall + background work) stays within the overhead budget."""
+
+    def __init__(self, policy: SnapshotPolicy) -> None:
+        self._fixed = policy.every_steps if isinstance(policy.every_steps, int) else None
+        self._budget = policy.overhead_budget
+        self._step_s = 0.0
+        self._cost_s = 0.0
+
+    def observe_step(self, seconds: float) -> None:
+        self._step_s = seconds if self._step_s == 0 else 0.8 * self._step_s + 0.2 * seconds
+
+    def observe_cost(self, seconds: float) -> None:
+        self._cost_s = seconds if self._cost_s == 0 else 0.7 * self._cost_s + 0.3 * seconds
+
+    @property
+    def interval(self) -> int:
+        if self._fixed is not None:
+            return self._fixed
+        if self._step_s <= 0 or self._cost_s <= 0:
+            return 1
+        wanted = math.ceil(self._cost_s / (self._budget * self._step_s))
+        return max(1, min(AUTO_MAX_INTERVAL, wanted))
+
+
+class Snapshotter:
+    """Owned by the Session on the training thread; one background thread publishes.
+
+    ``capture`` raises what the keeper raises (``PeerUnreachable``, ``SlotBusy``,
+    ``ConfigError`` when shared memory is too small); background errors surface on the
+    next ``capture`` or ``flush``.
+    """
+
+    def __init__(self, client: KeeperClient, *, job: str, rank: int, generation: int,
+                 secret: bytes | None, policy: SnapshotPolicy, checksum_algo: str = "sha256") -> None:
+        self._client = client
+        self._job, self._rank, self._generation = job, rank, generation
+        self._secret = secret
+        self._algo = checksum_algo
+        self._control = _IntervalController(policy)
+        self._layout: SnapshotLayout | None = None
+        self._maps: dict[str, mmap.mmap] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-snapshot")
+        self._pending: Future | None = None
+        self._cuda_stream: Any = None
+        self._cuda_event: Any = None
+        self._last_capture_step = -1
+        self._lock = threading.Lock()
+        self.stats = SnapshotStats()
+
+    def set_generation(self, generation: int) -> None:
+        self._generation = generation
+        self._client.generation = generation
+
+    def due(self, step: int) -> bool:
+        return step - self._last_capture_step >= self._control.interval
+
+    def observe_step(self, seconds: float) -> None:
+        self._control.observe_step(seconds)
+
+    def capture(self, step: int, objects: Mapping[str, Any]) -> float:
+        """Snapshot the state after ``step`` completed steps; returns the training stall (s)."""
+        started = time.perf_counter()
+        self.flush()
+        tensors, spec = flatten_state(objects)
+        layout = self._layout_for(tensors)
+        slot, path = self._client.claim(self._rank)
+        buf = memoryview(self._maps[path])[:layout.total_bytes]
+        cuda = any(t.is_cuda for t in tensors.values())
+        write_into(buf, layout, tensors, non_blocking=cuda, stream=self._stream() if cuda else None)
+        event = self._record_event() if cuda else None
+        stall = time.perf_counter() - started
+        self._pending = self._pool.submit(self._publish, step, slot, buf, layout, spec, event, stall)
+        self._last_capture_step = step
+        self.stats.last_stall_s = stall
+        return stall
+
+    def wait_for_copy(self) -> None:
+        """Make the current CUDA stream wait for the last device-to-host copy (called before
+        anything modifies the captured tensors, e.g. an optimizer step)."""
+        if self._cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_event)
+
+    def flush(self) -> None:
+        """Wait until the last capture is published; re-raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown(wait=True)
+            for mapping in self._maps.values():
+                _close_map(mapping)
+            self._maps.clear()
+
+    # -- internals ---------------------------------------------------------------------
+    def _layout_for(self, tensors: Mapping[str, torch.Tensor]) -> SnapshotLayout:
+        if self._layout is not None and self._layout.matches(tensors):
+            return self._layout
+        layout = plan_layout(tensors)
+        paths = self._client.alloc(self._rank, layout.total_bytes)
+        for mapping in self._maps.values():
+            _close_map(mapping)
+        self._maps = {path: _map(path, layout.total_bytes) for path in paths}
+        if any(t.is_cuda for t in tensors.values()):
+            for mapping in self._maps.values():
+                _pin(mapping, layout.total_bytes)
+        self._layout = layout
+        self.stats.bytes = layout.total_bytes
+        log.info("event=snapshot_layout rank=%d bytes=%d tensors=%d slots=%d", self._rank,
+                 layout.total_bytes, len(layout.entries), len(paths))
+        return layout
+
+    def _publish(self, step: int, slot: int, buf: memoryview, layout: SnapshotLayout,
+                 spec: dict, event: Any, stall: float) -> None:
+        started = time.perf_counter()
+        if event is not None:
+            event.synchronize()
+        sums = checksums(buf, layout, algo=self._algo)
+        manifest = make_manifest(layout, sums, job=self._job, rank=self._rank, step=step,
+                                 generation=self._generation, tree_spec=spec,
+                                 created_at=time.time())
+        if self._secret:
+            manifest = manifest.sign(self._secret)
+        self._client.publish(self._rank, step, slot, manifest.to_json(), layout.total_bytes)
+        background = time.perf_counter() - started
+        self._control.observe_cost(stall + background)
+        with self._lock:
+            self.stats.captures += 1
+            self.stats.last_step = step
+            self.stats.last_background_s = background
+            self.stats.interval = self._control.interval
+
+    def _stream(self) -> Any:
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream()
+        return self._cuda_stream
+
+    def _record_event(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(self._cuda_stream)
+        self._cuda_event = event
+        return event
+
+
+def _map(path: str, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _pin(mapping: mmap.mmap, size: int) -> None:
+    """Register the mapping with CUDA so device-to-host copies run at pinned speed."""
+    import ctypes
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    result = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+    if int(result) != 0:
+        log.warning("event=cuda_host_register_failed code=%s bytes=%d", result, size)
+
+
+def _close_map(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:  # a view is still alive; the GC unmaps it later
+        pass
