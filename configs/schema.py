@@ -128,6 +128,9 @@ class SnapshotConfig:
     overhead_budget: float = doc("share of step time snapshots may cost with every_steps: auto", 0.03)
     slots: int = doc("newest snapshots kept per rank in its node keeper", 2)
     shm_dir: str = doc("shared-memory folder for keeper-owned snapshot buffers", "/dev/shm")
+    rank_size_mb: float = doc("expected snapshot size per rank (MiB): the launcher refuses to "
+                              "start when shared memory cannot hold slots + replicas; 0 = "
+                              "checked by the keeper at the first snapshot", 0.0)
 
     def __post_init__(self) -> None:
         _require(self.every_steps == "auto" or (isinstance(self.every_steps, int)
@@ -138,6 +141,8 @@ class SnapshotConfig:
                  f"{self.overhead_budget} is outside (0, 1)", "use e.g. 0.03 for 3%")
         _require(self.slots >= 2, "snapshot.slots", f"{self.slots} is below 2",
                  "double buffering needs 2 slots")
+        _require(self.rank_size_mb >= 0, "snapshot.rank_size_mb",
+                 f"{self.rank_size_mb} is negative", "use 0 (unknown) or the size in MiB")
 
 
 @dataclass(frozen=True)

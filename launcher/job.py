@@ -27,6 +27,9 @@ from launcher.rundir import RunDir
 from launcher.services import Services, start_services
 from launcher.worker import WorkerActor
 from runtime.context import WorkerContext
+from runtime.shm import check_capacity, memory_plan
+
+REPLICA_KEEP = 2  # replica steps a keeper keeps per rank (Keeper's default)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class JobRunner:
 
     def run(self) -> JobResult:
         started = time.monotonic()
+        self._check_memory()
         run = RunDir.create(self.cfg)
         self.console.print(f"phalanx: run directory {run.path}")
         with contextlib.ExitStack() as stack:
@@ -80,6 +84,17 @@ class JobRunner:
         result = JobResult(run.path, results, time.monotonic() - started, holdings)
         self.console.print(f"phalanx: job {self.cfg.job.name} finished in {result.seconds:.1f} s")
         return result
+
+    def _check_memory(self) -> None:
+        """Refuse to start when shared memory cannot hold every node's snapshots."""
+        cfg = self.cfg
+        if not cfg.snapshot.enabled or cfg.snapshot.rank_size_mb <= 0:
+            return
+        factor = cfg.replication.factor if cfg.replication.enabled else 0
+        per_node = -(-cfg.job.world_size // cfg.job.nodes)
+        required = cfg.job.nodes * memory_plan(int(cfg.snapshot.rank_size_mb * 2**20), per_node,
+                                               cfg.snapshot.slots, factor, REPLICA_KEEP)
+        check_capacity(required, cfg.snapshot.shm_dir)
 
     def _start_keepers(self, stack: contextlib.ExitStack) -> None:
         """One keeper per node, pinned to it, before any worker starts."""

@@ -111,3 +111,13 @@ def test_bad_config_fails_before_anything_starts(tmp_path: Path, footprint: Foot
     assert "etcd.heartbeat_s" in result.stderr and "lease_ttl_s" in result.stderr
     assert not (tmp_path / "latest").exists()
     assert_nothing_left(footprint, grace_s=1)
+
+
+@pytest.mark.timeout(60)
+def test_too_little_shared_memory_is_refused_before_start(tmp_path: Path,
+                                                          footprint: Footprint) -> None:
+    result = launch("configs/demo.yaml", "snapshot.rank_size_mb=100000000", run_root=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "snapshot.shm_dir" in result.stderr and "snapshots need" in result.stderr
+    assert not (tmp_path / "latest").exists()
+    assert_nothing_left(footprint, grace_s=1)
