@@ -26,8 +26,11 @@ from configs.errors import (ConfigError, SnapshotCorrupt, SnapshotNotFound,
 from launcher.rundir import LATEST
 from runtime.tier_disk import COMMIT_NAME, STEP_RE, DiskTier, atomic_write, rank_file_names
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:                # torch and boto3 load only when a command needs them
+    import torch
+
     from configs.schema import PhalanxConfig
+    from runtime.snapshot_format import Manifest
     from runtime.base import Tier
     from runtime.tier_s3 import S3Tier
 
@@ -172,6 +175,8 @@ class DiskAccess:
     def marker(self, step: int) -> bytes:
         try:
             return (self.tier.step_dir(step) / COMMIT_NAME).read_bytes()
+        except FileNotFoundError as exc:
+            raise SnapshotNotFound(f"tier disk: step {step} has no marker") from exc
         except OSError as exc:
             raise TierUnavailable(f"tier disk: reading the marker of step {step} failed: "
                                   f"{exc}") from exc
@@ -193,8 +198,9 @@ class S3Access:
         found: list[StoredObject] = []
         token = ""
         while True:
-            extra: dict[str, Any] = {"Prefix": prefix, **({"ContinuationToken": token} if token
-                                                           else {})}
+            extra: dict[str, Any] = {"Prefix": prefix}
+            if token:
+                extra["ContinuationToken"] = token
             page = tier._retry("list_objects_v2", tier._url(prefix), lambda extra=extra:
                                tier.client.list_objects_v2(**tier._params(**extra)))
             for item in page.get("Contents", []):
@@ -218,18 +224,32 @@ Access = DiskAccess | S3Access
 def list_steps(access: Access) -> list[StepListing]:
     """Every step of the tier, committed or partial. Raises TierUnavailable."""
     objects = access.objects()
-    committed = {o.step for o in objects if o.name == COMMIT_NAME}
-    markers = {step: marker_ranks(access.marker(step)) for step in committed}
+    markers: dict[int, tuple[int, ...] | None] = {}
+    for step in {o.step for o in objects if o.name == COMMIT_NAME}:
+        try:
+            markers[step] = marker_ranks(access.marker(step))
+        except SnapshotNotFound:    # deleted since the listing (retention): ranks unknown
+            markers[step] = None
     return summarize_steps(access.tier.name, access.location, objects, markers)
 
 
 # ------------------------------------------------------------------------ checking
 
+@dataclass(frozen=True)
+class CheckedRank:
+    """A rank that passed ``check_rank``: its bytes and the tensors viewing ``payload``."""
+
+    payload: bytes
+    raw_manifest: bytes
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+
+
 def check_rank(tier: Tier, step: int, rank: int, secret: bytes | None
-               ) -> tuple[RankVerdict, Any]:
+               ) -> tuple[RankVerdict, CheckedRank | None]:
     """Read and check one rank: manifest, HMAC (when ``secret``), placement, header
-    against manifest, every checksum. Returns the verdict and, when ok, (raw manifest,
-    manifest, tensors, payload). Raises TierUnavailable when the tier refuses."""
+    against manifest, every checksum. Returns the verdict and, when ok, the checked rank.
+    Raises TierUnavailable when the tier refuses."""
     from runtime.snapshot_format import Manifest, read_tensors
 
     where = f"tier {tier.name} step {step} rank {rank}"
@@ -251,7 +271,7 @@ def check_rank(tier: Tier, step: int, rank: int, secret: bytes | None
         named = _TENSOR_RE.search(text)
         return RankVerdict(tier.name, step, rank, "corrupt", named.group(1) if named else "",
                            text), None
-    return RankVerdict(tier.name, step, rank, "ok"), (raw, manifest, tensors, payload)
+    return RankVerdict(tier.name, step, rank, "ok"), CheckedRank(payload, raw, manifest, tensors)
 
 
 def verify_step(tier: Tier, listing: StepListing, secret: bytes | None) -> list[RankVerdict]:
@@ -265,21 +285,20 @@ def verify_step(tier: Tier, listing: StepListing, secret: bytes | None) -> list[
     return verdicts
 
 
-def export_rank(checked: Any, out_dir: Path, rank: int) -> None:
+def export_rank(checked: CheckedRank, out_dir: Path, rank: int) -> None:
     """Write ``rank_<r>.safetensors`` (tensors, payload metadata plus the tree spec as
     JSON under ``phalanx_tree_spec``) and ``rank_<r>.json`` (the manifest, verbatim)."""
     from runtime.snapshot_format import plan_layout, write_into
 
-    raw, manifest, tensors, payload = checked
-    length = int.from_bytes(payload[:8], "little")  # parse_header validated it already
-    metadata = dict(json.loads(payload[8:8 + length]).get("__metadata__", {}))
-    metadata[TREE_SPEC_KEY] = json.dumps(manifest.tree_spec, sort_keys=True)
-    layout = plan_layout(tensors, metadata)
+    length = int.from_bytes(checked.payload[:8], "little")  # parse_header checked it
+    metadata = dict(json.loads(checked.payload[8:8 + length]).get("__metadata__", {}))
+    metadata[TREE_SPEC_KEY] = json.dumps(checked.manifest.tree_spec, sort_keys=True)
+    layout = plan_layout(checked.tensors, metadata)
     buf = bytearray(layout.total_bytes)
-    write_into(buf, layout, tensors)
+    write_into(buf, layout, checked.tensors)
     payload_name, manifest_name = rank_file_names(rank)
     atomic_write(out_dir / payload_name, memoryview(buf))
-    atomic_write(out_dir / manifest_name, memoryview(raw))
+    atomic_write(out_dir / manifest_name, memoryview(checked.raw_manifest))
 
 
 # ---------------------------------------------------------------------- argparse
@@ -333,10 +352,10 @@ def run_ckpt(args: argparse.Namespace, console: Console, out: TextIO | None = No
             return _verify(access, args.step, secret, console, out, args.json)
         return _export(access, args.step, secret, Path(args.out), args.force, console)
     except ConfigError as exc:
-        console.print(f"[red]ckpt:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return EXIT_USAGE
     except TierUnavailable as exc:
-        console.print(f"[red]ckpt: tier unavailable:[/red] {escape(str(exc))}", highlight=False,
+        console.print(f"[red]tier unavailable:[/red] {escape(str(exc))}", highlight=False,
                       soft_wrap=True)
         return EXIT_FAILED
 
@@ -438,7 +457,7 @@ def _export(access: Access, step: int, secret: bytes | None, out_dir: Path, forc
         out_dir.mkdir(parents=True, exist_ok=True)
         for rank in ranks:
             verdict, checked = check_rank(access.tier, listing.step, rank, secret)
-            if not verdict.ok:   # changed since the verify pass
+            if checked is None:  # changed since the verify pass
                 console.print(f"[red]export stopped:[/red] {escape(verdict.error)}",
                               highlight=False, soft_wrap=True)
                 return EXIT_FAILED

@@ -10,6 +10,7 @@ from typing import Sequence
 from rich.console import Console
 
 from configs.errors import ConfigError, PhalanxError, WorkerFailed
+from launcher.ckpt_commands import add_ckpt_parser, run_ckpt
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="KEY=VALUE", help="override a config key (repeatable)")
     status = sub.add_parser("status", help="show the member table of a running job")
     status.add_argument("run_dir", nargs="?", help="run directory (default: the newest run)")
+    add_ckpt_parser(sub)
     return parser
 
 
@@ -36,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "launch":
             return _launch(args, console)
+        if args.command == "ckpt":
+            return run_ckpt(args, console)
         if args.command == "status":
             from launcher.rundir import RunDir
             from launcher.status import show_status

@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from rich.console import Console
 
-from configs.errors import PhalanxError, WorkerFailed
+from configs.errors import ConfigError, PhalanxError, WorkerFailed
 from configs.loader import dump_config
 from configs.schema import PhalanxConfig
 from launcher.entrypoint import resolve_path
@@ -63,13 +63,14 @@ class JobRunner:
         self.cfg = cfg
         self.console = console or Console(stderr=True)
         self.entrypoint = resolve_path(cfg.job.entrypoint, base_dir or Path.cwd())
-        self.secret_hex = secrets.token_hex(32)
+        self.secret_hex = ""
         self.keepers: dict[int, tuple[Any, tuple[str, int]]] = {}
 
     def run(self) -> JobResult:
         started = time.monotonic()
         self._check_memory()
         run = RunDir.create(self.cfg)
+        self.secret_hex = job_secret(self.cfg, run).hex()
         self.console.print(f"phalanx: run directory {run.path}")
         with contextlib.ExitStack() as stack:
             _install_sigterm(stack)
@@ -184,6 +185,27 @@ def _result_of(ref: Any, rank: int) -> Any:
         raise WorkerFailed(rank, str(exc).splitlines()[0], str(exc)) from None
     except RayActorError as exc:
         raise WorkerFailed(rank, f"worker process died: {exc}") from None
+
+
+def job_secret(cfg: PhalanxConfig, run: RunDir) -> bytes:
+    """The job secret (HMAC of manifests, peer auth): ``security.secret_file``'s bytes, or a
+    fresh random one kept in the run directory (mode 0600) for ``phalanx ckpt verify``."""
+    if cfg.security.secret_file:
+        try:
+            secret = Path(cfg.security.secret_file).read_bytes().rstrip(b"\r\n")
+        except OSError as exc:
+            raise ConfigError("security.secret_file", f"cannot be read: {exc}",
+                              "point it at a readable file holding the job secret") from None
+        if len(secret) < 16:
+            raise ConfigError("security.secret_file", f"holds {len(secret)} bytes",
+                              "use at least 16 bytes, e.g. `openssl rand -hex 32 > FILE`")
+        return secret
+    secret = secrets.token_hex(32).encode()
+    path = run.path / "secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(secret + b"\n")
+    return secret
 
 
 def _close_keeper(actor: Any) -> None:

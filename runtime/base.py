@@ -59,6 +59,9 @@ class Membership(Protocol):
     def update(self, member: MemberRecord) -> None:
         """Rewrite our member record under the same lease (progress, endpoint)."""
 
+    def put_leased(self, key: str, value: bytes) -> None:
+        """Write ``key`` under our lease, so it vanishes when we do (``keepers/<node>``)."""
+
     def leave(self) -> None:
         """Revoke our lease: our member key disappears at once."""
 

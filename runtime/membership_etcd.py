@@ -188,21 +188,24 @@ class EtcdMembership:
         self._put_leased(member)
 
     def _put_leased(self, member: MemberRecord) -> None:
+        self.put_leased(MEMBERS + member.worker_id, encode_member(member))
+
+    def put_leased(self, key: str, value: bytes) -> None:
+        """Write ``key`` under our lease (it vanishes with us); raises ``LeaseLost``."""
         client = self._conn()
         with self._lock:
             lease, lost = self._lease_id, self._lease_lost
         if lost or not lease:
-            raise LeaseLost(f"member {member.worker_id!r} holds no lease at {self.endpoint} "
+            raise LeaseLost(f"key {key!r} holds no lease at {self.endpoint} "
                             f"({lost or 'not joined'}); join again")
-        key = MEMBERS + member.worker_id
         with self._translate("put", key):
             try:
-                client.put(self._prefix + key, encode_member(member), lease=lease)
+                client.put(self._prefix + key, value, lease=lease)
             except grpc.RpcError as exc:
                 if not _lease_not_found(exc):
                     raise
                 self._mark_lost(lease, "lease not found on put")
-                raise LeaseLost(f"lease {lease:x} of {member.worker_id!r} is gone at "
+                raise LeaseLost(f"lease {lease:x} for {key!r} is gone at "
                                 f"{self.endpoint}; join again") from exc
 
     def leave(self) -> None:

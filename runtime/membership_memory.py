@@ -261,12 +261,16 @@ class InMemoryMembership:
 
     def update(self, member: MemberRecord) -> None:
         """Rewrite our record under our lease; raises ``LeaseLost`` when it is gone."""
-        self._check_open("update")
+        self.put_leased(MEMBERS + member.worker_id, encode_member(member))
+
+    def put_leased(self, key: str, value: bytes) -> None:
+        """Write ``key`` under our lease (it vanishes with us); raises ``LeaseLost``."""
+        self._check_open("put_leased")
         with self._lock:
             lease = self._lease
         if not lease:
-            raise LeaseLost(f"member {member.worker_id!r} holds no lease; call join() first")
-        self.store.put(MEMBERS + member.worker_id, encode_member(member), lease)
+            raise LeaseLost(f"key {key!r}: this member holds no lease; call join() first")
+        self.store.put(key, value, lease)
 
     def leave(self) -> None:
         """Revoke our lease (our member key disappears); a no-op when not joined."""

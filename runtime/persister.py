@@ -27,6 +27,7 @@ from runtime.keeper import Keeper
 log = logging.getLogger(__name__)
 
 __all__ = ["TierPersister", "payload_size"]
+_MAX_BACKOFF_DOUBLINGS = 4  # commit retries wait at most 16 x commit_retry_s
 
 
 def payload_size(manifest: bytes, published: int, rank: int, step: int) -> int:
@@ -67,6 +68,7 @@ class _TierState:
     pending: int | None = None         # persisted here, marker not yet written
     pending_since: float = 0.0
     next_commit_try: float = 0.0
+    commit_tries: int = 0
 
 
 class TierPersister:
@@ -221,7 +223,8 @@ class TierPersister:
         if state.pending is not None:
             self._emit({"event": "tier_commit_abandoned", "tier": name, "step": state.pending,
                         "reason": f"superseded by step {step}"}, logging.WARNING)
-        state.pending, state.pending_since, state.next_commit_try = step, time.monotonic(), 0.0
+        state.pending, state.pending_since = step, time.monotonic()
+        state.next_commit_try, state.commit_tries = 0.0, 0
 
     def _write_rank(self, tier: Tier, rank: int, step: int) -> int:
         """Pin (rank, step), hand the tier a read-only view of the slot, unpin.
@@ -245,9 +248,10 @@ class TierPersister:
         return size
 
     def _try_commit(self, state: _TierState) -> None:
-        """Write the pending step's marker once every rank of the job is in the tier; a
-        missing rank (another node still writing) is retried every commit_retry_s until
-        commit_wait_s or a newer persisted step supersedes it."""
+        """Write the pending step's marker once every rank of the job is in the tier. A
+        missing rank (another node still writing) is retried after commit_retry_s, doubling
+        up to 16x (each try lists the step: keep S3 LISTs per node few), until
+        commit_wait_s passes or a newer persisted step supersedes it."""
         step, now = state.pending, time.monotonic()
         if step is None or now < state.next_commit_try:
             return
@@ -256,7 +260,9 @@ class TierPersister:
             state.tier.commit_step(step, self._world)
         except SnapshotNotFound as exc:
             if now - state.pending_since < self._commit_wait_s:
-                state.next_commit_try = now + self._commit_retry_s
+                backoff = 2 ** min(state.commit_tries, _MAX_BACKOFF_DOUBLINGS)
+                state.next_commit_try = now + self._commit_retry_s * backoff
+                state.commit_tries += 1
                 return
             state.pending = None
             self._emit({"event": "tier_commit_abandoned", "tier": name, "step": step,
@@ -289,8 +295,7 @@ class TierPersister:
                     "error": f"{type(exc).__name__}: {exc}"}, logging.WARNING)
 
     def _emit(self, event: dict[str, Any], level: int = logging.INFO) -> None:
-        fields = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
-                          for k, v in event.items() if k != "event")
+        fields = " ".join(f"{k}={_log_value(v)}" for k, v in event.items() if k != "event")
         log.log(level, "%s node=%s %s", event["event"], self._keeper.node, fields)
         if self._on_event is None:
             return
@@ -298,3 +303,12 @@ class TierPersister:
             self._on_event(dict(event))
         except Exception:  # noqa: BLE001 - a listener's bug must not stop persisting
             log.exception("persister.on_event_failed event=%s", event["event"])
+
+
+def _log_value(value: Any) -> str:
+    """One token per key=value field: strings quoted, lists without spaces."""
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, list):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)

@@ -191,3 +191,15 @@ def test_close_is_idempotent_and_revokes_the_lease(membership_factory: Membershi
     b.put("members/late", b"{}")
     assert eventually(lambda: len(barrier) == 1)
     assert WatchEvent("put", "members/late", b"{}") not in seen
+
+
+@pytest.mark.timeout(20)
+def test_put_leased_vanishes_with_the_lease(membership_factory: MembershipFactory) -> None:
+    keeper, observer = membership_factory(), membership_factory()
+    with pytest.raises(LeaseLost):
+        keeper.put_leased("keepers/node0", b'{"x": 1}')
+    keeper.join(record("keeper.node0"), ttl_s=5)
+    keeper.put_leased("keepers/node0", b'{"x": 2}')
+    assert observer.get("keepers/node0").value == b'{"x": 2}'
+    keeper.leave()
+    assert observer.get("keepers/node0") is None

@@ -1,0 +1,60 @@
+"""The global commit point: step s is committed when every rank's snapshot of s is held by
+at least f+1 keepers (its own and f replica holders). Pure: computed from the keepers'
+reports, which each keeper publishes as one leased key per node (``keepers/<node>``)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class KeeperReport:
+    """What one node keeper holds: per rank, local steps and replica steps."""
+
+    node: str
+    address: tuple[str, int]
+    local: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    replicas: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    bytes_held: int = 0
+    generation: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps({"node": self.node, "address": list(self.address),
+                           "local": {str(r): list(s) for r, s in self.local.items()},
+                           "replicas": {str(r): list(s) for r, s in self.replicas.items()},
+                           "bytes_held": self.bytes_held, "generation": self.generation},
+                          sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "KeeperReport":
+        raw = json.loads(data)
+        return cls(node=str(raw["node"]), address=(str(raw["address"][0]), int(raw["address"][1])),
+                   local={int(r): tuple(int(x) for x in s) for r, s in raw["local"].items()},
+                   replicas={int(r): tuple(int(x) for x in s) for r, s in raw["replicas"].items()},
+                   bytes_held=int(raw.get("bytes_held", 0)),
+                   generation=int(raw.get("generation", 0)))
+
+
+def holders_of(reports: Mapping[str, KeeperReport], rank: int, step: int) -> list[str]:
+    """Nodes whose keeper holds (rank, step), local copies first."""
+    local = [n for n, r in sorted(reports.items()) if step in r.local.get(rank, ())]
+    replica = [n for n, r in sorted(reports.items()) if step in r.replicas.get(rank, ())]
+    return local + [n for n in replica if n not in local]
+
+
+def committed_step(reports: Mapping[str, KeeperReport], ranks: Sequence[int], factor: int) -> int:
+    """The newest step every rank has on at least ``factor + 1`` keepers; -1 when none."""
+    if not ranks:
+        return -1
+    candidates: set[int] | None = None
+    for rank in ranks:
+        counts: dict[int, int] = {}
+        for report in reports.values():
+            for step in set(report.local.get(rank, ())) | set(report.replicas.get(rank, ())):
+                counts[step] = counts.get(step, 0) + 1
+        good = {step for step, count in counts.items() if count >= factor + 1}
+        candidates = good if candidates is None else candidates & good
+        if not candidates:
+            return -1
+    return max(candidates) if candidates else -1

@@ -1,0 +1,62 @@
+"""The global commit point computed from keeper reports (pure)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.commit import KeeperReport, committed_step, holders_of
+
+pytestmark = pytest.mark.unit
+
+
+def report(node: str, local: dict[int, tuple[int, ...]], replicas: dict[int, tuple[int, ...]]):
+    return KeeperReport(node=node, address=("127.0.0.1", 1), local=local, replicas=replicas)
+
+
+@pytest.mark.timeout(10)
+def test_commit_needs_every_rank_on_f_plus_one_keepers() -> None:
+    reports = {
+        "a": report("a", {0: (4, 5)}, {1: (4,)}),
+        "b": report("b", {1: (4, 5)}, {0: (4, 5)}),
+    }
+    assert committed_step(reports, [0, 1], factor=1) == 4  # rank 1's step 5 not replicated
+    assert committed_step(reports, [0, 1], factor=0) == 5
+    assert committed_step(reports, [0, 1, 2], factor=0) == -1  # rank 2 held nowhere
+    assert committed_step({}, [0], factor=1) == -1
+
+
+@pytest.mark.timeout(10)
+def test_holders_list_local_copies_first() -> None:
+    reports = {"a": report("a", {0: (3,)}, {}), "b": report("b", {}, {0: (3,)}),
+               "c": report("c", {}, {0: (2,)})}
+    assert holders_of(reports, 0, 3) == ["a", "b"]
+    assert holders_of(reports, 0, 2) == ["c"]
+
+
+@pytest.mark.timeout(30)
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from("abcd"),
+                       st.tuples(st.dictionaries(st.integers(0, 3), st.sets(st.integers(0, 6))),
+                                 st.dictionaries(st.integers(0, 3), st.sets(st.integers(0, 6)))),
+                       max_size=4),
+       st.integers(0, 2))
+def test_committed_step_is_held_by_enough_keepers(raw, factor) -> None:
+    reports = {n: report(n, {r: tuple(sorted(s)) for r, s in loc.items()},
+                         {r: tuple(sorted(s)) for r, s in rep.items()})
+               for n, (loc, rep) in raw.items()}
+    ranks = [0, 1, 2, 3]
+    step = committed_step(reports, ranks, factor)
+    if step >= 0:
+        for rank in ranks:
+            assert len(holders_of(reports, rank, step)) >= factor + 1
+    newer = {s for r in reports.values() for steps in (*r.local.values(), *r.replicas.values())
+             for s in steps if s > step}
+    for candidate in newer:  # no newer step qualifies
+        assert any(len(holders_of(reports, rank, candidate)) < factor + 1 for rank in ranks)
+
+
+@pytest.mark.timeout(10)
+def test_report_json_round_trip() -> None:
+    original = report("a", {0: (1, 2)}, {3: (2,)})
+    assert KeeperReport.from_json(original.to_json()) == original
