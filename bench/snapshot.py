@@ -218,7 +218,14 @@ def _async_save(model: nn.Module, path: str) -> tuple[float, float]:
         started = time.perf_counter()
         response = dcp.async_save({"model": model}, checkpoint_id=path)
     returned = time.perf_counter() - started
-    getattr(response, "upload_completion", response).result()
+    future = getattr(response, "upload_completion", response)
+    try:
+        future.result()
+    except BaseException:
+        # interrupted (SIGTERM): let the writer thread finish before the caller removes
+        # the directory, so no file is created after the cleanup
+        _ = future.exception()
+        raise
     return returned, time.perf_counter() - started
 
 

@@ -126,7 +126,8 @@ class SnapshotConfig:
     every_steps: int | Literal["auto"] = doc("snapshot interval in steps, or 'auto' (the most "
                                              "frequent interval within overhead_budget)", 1)
     overhead_budget: float = doc("share of step time snapshots may cost with every_steps: auto", 0.03)
-    slots: int = doc("newest snapshots kept per rank in its node keeper", 2)
+    slots: int = doc("snapshot buffers per rank in its node keeper: 2 double-buffer; a 3rd lets "
+                     "persistence and replication read one while training writes", 3)
     shm_dir: str = doc("shared-memory folder for keeper-owned snapshot buffers", "/dev/shm")
     rank_size_mb: float = doc("expected snapshot size per rank (MiB): the launcher refuses to "
                               "start when shared memory cannot hold slots + replicas; 0 = "

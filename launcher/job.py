@@ -20,7 +20,7 @@ from configs.errors import ConfigError, PhalanxError, WorkerFailed
 from configs.loader import dump_config
 from configs.schema import PhalanxConfig
 from launcher.entrypoint import resolve_path
-from launcher.keeper_actor import KeeperActor, node_name
+from launcher.keeper_actor import KeeperActor, build_tiers, node_name
 from launcher.progress import ProgressView
 from launcher.ray_cluster import node_resource
 from launcher.rundir import RunDir
@@ -69,6 +69,7 @@ class JobRunner:
     def run(self) -> JobResult:
         started = time.monotonic()
         self._check_memory()
+        self._check_tiers()
         run = RunDir.create(self.cfg)
         self.secret_hex = job_secret(self.cfg, run).hex()
         self.console.print(f"phalanx: run directory {run.path}")
@@ -78,7 +79,7 @@ class JobRunner:
             run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
                            "etcd_prefix": self.cfg.etcd.prefix, "launcher_pid": os.getpid(),
                            "world_size": self.cfg.job.world_size})
-            self._start_keepers(stack)
+            self._start_keepers(services, run, stack)
             ranks = self._start_workers(services, run, stack)
             results = self._watch(services, ranks)
             holdings = self._keeper_holdings()
@@ -97,7 +98,15 @@ class JobRunner:
                                                cfg.snapshot.slots, factor, REPLICA_KEEP)
         check_capacity(required, cfg.snapshot.shm_dir)
 
-    def _start_keepers(self, stack: contextlib.ExitStack) -> None:
+    def _check_tiers(self) -> None:
+        """Credentials, buckets and folders are checked at launch, not at the first upload."""
+        if not self.cfg.snapshot.enabled:
+            return
+        for tier, _, _ in build_tiers(self.cfg, str(Path(self.cfg.job.run_dir) / "_check")):
+            if tier.name != "disk" or self.cfg.tiers.disk.path:
+                tier.check()
+
+    def _start_keepers(self, services: Services, run: RunDir, stack: contextlib.ExitStack) -> None:
         """One keeper per node, pinned to it, before any worker starts."""
         if not self.cfg.snapshot.enabled:
             return
@@ -106,7 +115,9 @@ class JobRunner:
         for node in range(self.cfg.job.nodes):
             actor = KeeperActor.options(resources={node_resource(node): 1},
                                         name=f"{self.cfg.job.name}-keeper{node}").remote(
-                node_name(node), config_yaml, self.secret_hex)
+                node_name(node), config_yaml, self.secret_hex, services.etcd_endpoints,
+                str(run.path), [r for r in range(self.cfg.job.world_size)
+                                if r % self.cfg.job.nodes == node])
             stack.callback(_close_keeper, actor)
             actors[node] = actor
         addresses = ray.get([actor.address.remote() for actor in actors.values()], timeout=60)

@@ -1,17 +1,29 @@
-"""The node keeper as a Ray actor pinned to its node: it owns the node's snapshot memory
-and lives as long as the node, so a worker crash loses nothing."""
+"""The node keeper as a Ray actor pinned to its node: it owns the node's snapshot memory,
+persists committed steps to the tiers, and reports what it holds to etcd. It lives as long
+as the node, so a worker crash loses nothing."""
 from __future__ import annotations
 
+import json
 import logging
 import os
+import threading
+from collections import deque
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from configs.loader import load_config_text
+from configs.schema import PhalanxConfig
+from runtime.base import Tier
 from runtime.keeper import Keeper
+from runtime.keeper_reporter import KeeperReporter, keeper_member, report_from_keeper
+from runtime.membership_etcd import EtcdMembership, job_prefix
+from runtime.persister import TierPersister
+from runtime.tier_disk import DiskTier
 
 log = logging.getLogger(__name__)
+EVENTS_KEPT = 200
 
 
 def node_name(index: int) -> str:
@@ -19,16 +31,53 @@ def node_name(index: int) -> str:
     return f"node{index}"
 
 
+def build_tiers(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int]]:
+    """(tier, every_steps, keep) for each enabled tier."""
+    tiers: list[tuple[Tier, int, int]] = []
+    if cfg.tiers.disk.enabled:
+        root = Path(cfg.tiers.disk.path or Path(run_dir) / "checkpoints")
+        tiers.append((DiskTier(root, cfg.job.name), cfg.tiers.disk.every_steps, cfg.tiers.disk.keep))
+    if cfg.tiers.s3.enabled:
+        from runtime.tier_s3 import S3Tier
+
+        tiers.append((S3Tier(cfg.tiers.s3, cfg.job.name), cfg.tiers.s3.every_steps,
+                      cfg.tiers.s3.keep))
+    return tiers
+
+
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
 class KeeperActor:
     """Called from the launcher's thread through Ray with plain values only."""
 
-    def __init__(self, node: str, config_yaml: str, secret_hex: str) -> None:
+    def __init__(self, node: str, config_yaml: str, secret_hex: str, etcd_endpoints: list[str],
+                 run_dir: str, local_ranks: list[int]) -> None:
         cfg = load_config_text(config_yaml, source="keeper config")
+        self._node = node
+        self._generation = 0
+        self._events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
+        self._lock = threading.Lock()
         self._keeper = Keeper(node, cfg.job.name, bytes.fromhex(secret_hex),
                               shm_dir=cfg.snapshot.shm_dir, slots=cfg.snapshot.slots,
                               bind_host=cfg.replication.bind_host,
                               timeout_s=cfg.replication.timeout_s).start()
+        self._membership = EtcdMembership(etcd_endpoints, job_prefix(cfg.etcd.prefix, cfg.job.name))
+        self._membership.connect()
+        self._reporter = KeeperReporter(
+            self._membership, node, self._report, cfg.etcd.heartbeat_s, cfg.etcd.lease_ttl_s,
+            keeper_member(node, self._keeper.address, os.getpid())).start()
+        tiers = build_tiers(cfg, run_dir)
+        self._persister = None
+        if tiers and local_ranks:
+            self._persister = TierPersister(self._keeper, tiers, list(range(cfg.job.world_size)),
+                                            local_ranks, on_event=self._on_event).start()
+
+    def _report(self) -> Any:
+        return report_from_keeper(self._node, self._keeper.address, self._keeper.holdings(),
+                                  self._keeper.stats(), self._generation)
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self._events.append({**event, "node": self._node})
 
     def address(self) -> tuple[str, int]:
         return self._keeper.address
@@ -42,5 +91,16 @@ class KeeperActor:
     def stats(self) -> dict[str, int]:
         return self._keeper.stats()
 
+    def events(self) -> list[dict[str, Any]]:
+        """Tier and replication events since the last call (drained)."""
+        with self._lock:
+            drained = list(self._events)
+            self._events.clear()
+        return json.loads(json.dumps(drained))
+
     def close(self) -> None:
+        if self._persister is not None:
+            self._persister.close()
+        self._reporter.close()
+        self._membership.close()
         self._keeper.close()

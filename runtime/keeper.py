@@ -15,13 +15,15 @@ from typing import Any, Callable
 
 from configs.errors import ConfigError, PeerUnreachable, SnapshotNotFound, StaleGeneration
 from runtime.keeper_wire import KeeperClient, KeeperRequestInvalid, SlotBusy, handle
+from runtime.replica_wire import TensorIndex
 from runtime.shm import (Held, RankSlots, ShmBuffer, check_capacity, memory_plan, owned_names,
                          pick_slot, remove_stale, shm_prefix, validate_name)
 from runtime.transport import DEFAULT_MAX_PAYLOAD, FrameServer, Reply, Request
 
 log = logging.getLogger(__name__)
 
-_WRITE_OPS = frozenset({"alloc", "claim", "publish", "put_replica", "drop"})
+_WRITE_OPS = frozenset({"alloc", "claim", "publish", "put_replica", "drop", "replica_offer",
+                        "replica_push"})
 __all__ = ["Keeper", "KeeperClient", "KeeperRequestInvalid", "SlotBusy", "memory_plan",
            "check_capacity", "owned_names", "main"]
 
@@ -34,6 +36,9 @@ class Keeper:
     ``protect_step``; it is unpublished at once) → the worker writes it through its own
     mmap → ``publish``. A worker that dies before ``publish`` leaves the slot unpublished,
     so it is never served. ``generation_check(g) -> bool`` fences every write op.
+
+    A replica push pins the slot it streams with ``on_claim``: such a pin gives way to the
+    worker, so a claim that finds no other slot preempts the push instead of waiting.
     """
 
     def __init__(self, node: str, job: str, secret: bytes, shm_dir: str = "/dev/shm",
@@ -56,6 +61,7 @@ class Keeper:
         self._free: list[ShmBuffer] = []
         self._seq = itertools.count()
         self._closed = False
+        self.tensor_index = TensorIndex()  # held tensors by checksum, for replica dedup
         self._server = FrameServer(bind_host, port, secret=secret, job=job, handler=self._handle,
                                    generation_check=generation_check, timeout_s=timeout_s,
                                    max_payload=max_payload, name=f"keeper-{node}")
@@ -155,6 +161,9 @@ class Keeper:
                 index = pick_slot(table, protect_step)
                 if index is not None:
                     break
+                victim = pick_slot(table, protect_step, preempt=True)
+                if victim is not None:
+                    self._preempt(table.slots[victim])
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SlotBusy(f"keeper {self.node}: no free slot for rank {rank} "
@@ -163,6 +172,18 @@ class Keeper:
             held = table.slots[index]
             held.state, held.step, held.manifest, held.used = "writing", -1, b"", 0
         return index, held.buf.path
+
+    def _preempt(self, held: Held) -> None:
+        """Called with the lock held: ask every yielding reader of ``held`` to stop (once)."""
+        callbacks, held.yielding = held.yielding, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a reader's bug must not fail the worker's claim
+                log.exception("keeper.preempt_failed node=%s rank=%d step=%d", self.node,
+                              held.rank, held.step)
+        log.debug("keeper.preempted node=%s rank=%d step=%d readers=%d", self.node, held.rank,
+                  held.step, len(callbacks))
 
     def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int) -> None:
         """Record that claimed ``slot`` now holds ``rank``'s snapshot of ``step``
@@ -279,9 +300,14 @@ class Keeper:
 
     # ----- reading, retention, accounting ------------------------------------------------
 
-    def pin(self, rank: int, step: int | None = None) -> tuple[str, Held]:
+    def pin(self, rank: int, step: int | None = None, *,
+            on_claim: Callable[[], None] | None = None) -> tuple[str, Held]:
         """(source, held) of ``rank`` at ``step`` (newest if None), pinned against reuse
-        until ``unpin``; local copies win over replicas. Raises SnapshotNotFound."""
+        until ``unpin``; local copies win over replicas. Raises SnapshotNotFound.
+
+        With ``on_claim`` the pin gives way to the worker: a claim that needs this slot
+        calls ``on_claim()`` once, under the keeper's lock (it must only signal, e.g. shut
+        a socket down), and waits for the ``unpin(held, on_claim)`` that follows."""
         with self._cond:
             table = self._local.get(rank)
             found = [("local", h) for h in (table.slots + table.retired if table else [])
@@ -291,6 +317,8 @@ class Keeper:
             for source, held in found:
                 if held.step == want:
                     held.pins += 1
+                    if on_claim is not None:
+                        held.yielding.append(on_claim)
                     return source, held
             holds = self.holdings().get(rank, {})
         where = "any step" if step is None else f"step {step}"
@@ -298,12 +326,35 @@ class Keeper:
                                f"it holds local {holds.get('local', [])}, "
                                f"replica {holds.get('replica', [])}")
 
-    def unpin(self, held: Held) -> None:
+    def unpin(self, held: Held, on_claim: Callable[[], None] | None = None) -> None:
+        """Release one pin (``on_claim``: the callback that pin was taken with)."""
         with self._cond:
             held.pins -= 1
+            for i, callback in enumerate(held.yielding):
+                if callback is on_claim:
+                    del held.yielding[i]
+                    break
             if held.doomed and held.pins == 0:
                 held.buf.close()
             self._cond.notify_all()
+
+    def ready_snapshots(self) -> list[Held]:
+        """Every ready snapshot held, replicas first (never claimed by a worker, so the
+        better source to copy from), then local slots. Read fields only under ``pin_held``."""
+        with self._cond:
+            replicas = [h for lst in self._replicas.values() for h in lst if h.state == "ready"]
+            local = [h for t in self._local.values() for h in t.slots + t.retired
+                     if h.state == "ready"]
+            return replicas + local
+
+    def pin_held(self, held: Held, manifest: bytes) -> bool:
+        """Pin ``held`` if it still holds the snapshot published with ``manifest`` (the
+        same bytes object), else return False. Release with ``unpin``."""
+        with self._cond:
+            if held.state != "ready" or held.doomed or held.manifest is not manifest:
+                return False
+            held.pins += 1
+            return True
 
     def _doom(self, held: Held) -> None:
         """Called with the lock held: forget ``held``; its file goes now, its map when unread."""

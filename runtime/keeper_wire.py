@@ -11,6 +11,7 @@ from typing import Any, Callable, Protocol
 
 from configs.errors import FatalError, TransientError
 from runtime.frames import FrameInvalid, register_remote_error
+from runtime.replica_wire import TensorIndex, answer_offer, receive_push
 from runtime.transport import DEFAULT_TIMEOUT_S, FrameClient, Reply, Request
 
 MAX_MANIFEST_BYTES = 64 << 20
@@ -33,12 +34,15 @@ class _Served(Protocol):
 
     node: str
     job: str
+    tensor_index: TensorIndex
 
     def alloc(self, rank: int, nbytes: int) -> list[str]: ...
     def claim(self, rank: int, protect_step: int | None = None) -> tuple[int, str]: ...
     def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int) -> None: ...
     def pin(self, rank: int, step: int | None = None) -> tuple[str, Any]: ...
     def unpin(self, held: Any) -> None: ...
+    def ready_snapshots(self) -> list[Any]: ...
+    def pin_held(self, held: Any, manifest: bytes) -> bool: ...
     def store_replica(self, rank: int, step: int, manifest: bytes, nbytes: int,
                       fill: Callable[[memoryview], None]) -> list[int]: ...
     def holdings(self) -> dict[int, dict[str, Any]]: ...
@@ -71,6 +75,14 @@ def handle(keeper: _Served, request: Request) -> Reply:
             evicted = keeper.store_replica(rank, step, manifest, request.payload.remaining,
                                            request.payload.recv_into)
             return Reply({"evicted": evicted})
+        case "replica_offer":
+            manifest = _manifest(request, request.payload.remaining)
+            return Reply(answer_offer(keeper, _int(h, "rank"), _int(h, "step"), manifest,
+                                      _int(h, "size")))
+        case "replica_push":
+            manifest = _manifest(request, _int(h, "manifest_nbytes"))
+            return Reply(receive_push(keeper, _int(h, "rank"), _int(h, "step"), manifest, h,
+                                      request.payload))
         case "list":
             return Reply({"ranks": {str(r): v for r, v in keeper.holdings().items()}})
         case "stats":

@@ -10,6 +10,7 @@ import mmap
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 from configs.errors import ConfigError
 
@@ -116,6 +117,9 @@ class Held:
     used: int = 0
     pins: int = 0
     doomed: bool = False  # unlinked; unmapped once no reader pins it
+    # One callback per pin that gives way to a writer (a replica push): a claim that
+    # needs this slot calls them once (under the Keeper's lock) and waits for the unpins.
+    yielding: list[Callable[[], None]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -129,13 +133,16 @@ class RankSlots:
     retired: list[Held] = field(default_factory=list)
 
 
-def pick_slot(table: RankSlots, protect_step: int | None) -> int | None:
+def pick_slot(table: RankSlots, protect_step: int | None, *,
+              preempt: bool = False) -> int | None:
     """The slot to overwrite: never the newest ready one, a pinned one or ``protect_step``;
-    empty or half-written slots first, then the oldest step."""
+    empty or half-written slots first, then the oldest step. With ``preempt``, a slot
+    whose every pin gives way to writers (``Held.yielding``) counts as unpinned."""
     ready = [h for h in table.slots if h.state == "ready"]
     newest = max(ready, key=lambda h: h.step) if ready and not table.retired else None
     choices = [(h.state == "ready", h.step, i) for i, h in enumerate(table.slots)
-               if h is not newest and h.pins == 0
+               if h is not newest
+               and (h.pins == 0 or (preempt and h.pins == len(h.yielding)))
                and not (h.state == "ready" and h.step == protect_step)]
     return min(choices)[2] if choices else None
 
