@@ -21,15 +21,21 @@ process, one line of progress per measurement:
               fails); each save is waited for before the next. stall = until async_save
               returns; complete = until its future is done.
 
-Medians over ``--repeats`` after one warm-up each. Writes ``<out>/snapshot[_cuda].json``
-and ``.png`` (when matplotlib is importable; the JSON's machine section holds the load
-average before and after, as other processes' CPU use skews every number here) and prints a markdown table and PASS/MISS per
-target; a missed target never fails the process. Every shm/tmp file is removed.
+Every system is set up once per size and warmed up once; then the repeats run round-robin
+(limit, phalanx sha256, phalanx crc32, torch.save, DCP, limit, ...), so load from other
+processes skews all of them alike; medians over ``--repeats``. Also measured: one core's
+sha256 and crc32 speed, which bounds the completion throughput (checksums run on one thread).
+
+Writes ``<out>/snapshot[_cuda].json`` and ``.png`` (when matplotlib is importable) and prints
+a markdown table and PASS/MISS per target; a missed target never fails the process. The
+JSON's machine section holds the load average before and after: other processes' CPU use
+skews every number here. Every shm/tmp file is removed, also on SIGTERM.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import logging
 import math
 import os
@@ -40,6 +46,7 @@ import tempfile
 import time
 import uuid
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -99,109 +106,87 @@ def _label(size_mib: int) -> str:
     return f"{size_mib // 1024} GiB" if size_mib >= 1024 and size_mib % 1024 == 0 else f"{size_mib} MiB"
 
 
-# ----- measurements -------------------------------------------------------------------------
+# ----- the four systems ---------------------------------------------------------------------
+# Each is set up once per size, warmed up once, then the repeats run round-robin (limit,
+# phalanx sha256, phalanx crc32, torch.save, DCP, limit, ...) so that load from other
+# processes on the machine skews every system alike rather than one of them.
 
-def measure_limit(nbytes: int, device: str, repeats: int, tag: str) -> dict[str, Any]:
-    """The copy ceiling for this state size: CPU memcpy or pinned D2H."""
-    n = nbytes // 4
-    if device == "cuda":
-        src = torch.empty(n, device="cuda").normal_()
-        dst = torch.empty(n, pin_memory=True)
-        kind = "pinned_d2h"
-    else:
-        src = torch.empty(n).fill_(1.0)
-        dst = torch.empty(n)
-        kind = "memcpy"
-    dst.zero_()                                     # already-touched destination
-    _sync(device)
-    times = []
-    for i in range(repeats + 1):
-        started = time.perf_counter()
-        dst.copy_(src, non_blocking=device == "cuda")
+class CopyLimit:
+    """The copy ceiling for this state size: CPU memcpy or pinned device-to-host copy, both
+    between preallocated, already-touched buffers."""
+
+    def __init__(self, nbytes: int, device: str) -> None:
+        n = nbytes // 4
+        self.nbytes, self.device = n * 4, device
+        if device == "cuda":
+            self.src = torch.empty(n, device="cuda").normal_()
+            self.dst = torch.empty(n, pin_memory=True)
+            self.kind = "pinned_d2h"
+        else:
+            self.src = torch.empty(n).fill_(1.0)
+            self.dst = torch.empty(n)
+            self.kind = "memcpy"
+        self.dst.zero_()
         _sync(device)
-        took = time.perf_counter() - started
-        if i:
-            times.append(took)
-            progress(f"{tag} {kind:<15} rep {i}/{repeats}: {took * 1e3:8.1f} ms "
-                     f"({gbps(n * 4, took):.2f} GB/s)")
-    del src, dst
-    return {"kind": kind, "seconds": summary(times), "gbps": gbps(n * 4, median(times)),
-            "torch_threads": torch.get_num_threads()}
 
-
-def measure_phalanx(model: nn.Module, nbytes: int, device: str, repeats: int, shm_dir: str,
-                    tag: str) -> dict[str, Any]:
-    """One in-process Keeper; one Snapshotter per checksum algorithm (rank = algo index),
-    all kept open until the end so no mapping (CUDA-registered on GPUs) is reused."""
-    job = f"bench-snap-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    secret = os.urandom(32)
-    objects = {"model": model}
-    out: dict[str, Any] = {"job": job, "slots": 2}
-    keeper = Keeper("bench", job, secret, shm_dir, slots=2).start()
-    opened: list[tuple[Snapshotter, KeeperClient]] = []
-    try:
-        for rank, algo in enumerate(ALGOS):
-            client = KeeperClient(*keeper.address, secret, job)
-            snap = Snapshotter(client, job=job, rank=rank, generation=0, secret=secret,
-                               policy=SnapshotPolicy(every_steps=1), checksum_algo=algo)
-            opened.append((snap, client))
-            started = time.perf_counter()
-            snap.capture(0, objects)
-            snap.flush()
-            warmup = time.perf_counter() - started
-            progress(f"{tag} phalanx/{algo:<7} warm-up (alloc+map {2 * nbytes / MiB:.0f} MiB "
-                     f"of slots + 1 capture): {warmup:.2f} s")
-            stalls, landed, complete = [], [], []
-            for step in range(1, repeats + 1):
-                started = time.perf_counter()
-                stall = snap.capture(step, objects)
-                _sync(device)
-                copied = time.perf_counter() - started
-                snap.flush()
-                done = time.perf_counter() - started
-                stalls.append(stall), landed.append(copied), complete.append(done)
-                progress(f"{tag} phalanx/{algo:<7} rep {step}/{repeats}: stall "
-                         f"{stall * 1e3:8.2f} ms, complete {done * 1e3:8.1f} ms "
-                         f"({gbps(nbytes, done):.2f} GB/s)")
-            published = client.latest(rank)
-            if published != repeats:
-                raise RuntimeError(f"keeper holds step {published} for rank {rank}, "
-                                   f"expected {repeats}")
-            out[algo] = {"stall_s": summary(stalls), "landed_s": summary(landed),
-                         "complete_s": summary(complete), "warmup_s": warmup,
-                         "throughput_gbps": gbps(nbytes, median(complete)),
-                         "copy_gbps": gbps(nbytes, median(landed)),
-                         "published_step": published, "snapshot_bytes": snap.stats.bytes}
-    finally:
-        for snap, client in opened:
-            try:
-                snap.close()
-            finally:
-                client.close()
-        keeper.close()
-    return out
-
-
-def measure_torch_save(model: nn.Module, nbytes: int, repeats: int, tmp: str,
-                       tag: str) -> dict[str, Any]:
-    path = os.path.join(tmp, "state.pt")
-    times = []
-    for i in range(repeats + 1):
+    def run(self) -> float:
         started = time.perf_counter()
-        torch.save(model.state_dict(), path)
-        took = time.perf_counter() - started
-        os.remove(path)
-        if i:
-            times.append(took)
-            progress(f"{tag} torch.save      rep {i}/{repeats}: {took:8.3f} s "
-                     f"({gbps(nbytes, took):.2f} GB/s)")
-    return {"seconds": summary(times), "throughput_gbps": gbps(nbytes, median(times))}
+        self.dst.copy_(self.src, non_blocking=self.device == "cuda")
+        _sync(self.device)
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        del self.src, self.dst
+
+
+class PhalanxRun:
+    """A Snapshotter (one rank of the shared in-process Keeper) with one checksum algo."""
+
+    def __init__(self, keeper: Keeper, secret: bytes, rank: int, algo: str,
+                 objects: dict[str, Any], device: str) -> None:
+        self.algo, self.rank, self.objects, self.device = algo, rank, objects, device
+        self.client = KeeperClient(*keeper.address, secret, keeper.job)
+        self.snap = Snapshotter(self.client, job=keeper.job, rank=rank, generation=0,
+                                secret=secret, policy=SnapshotPolicy(every_steps=1),
+                                checksum_algo=algo)
+        self.step = -1
+
+    def run(self) -> tuple[float, float, float]:
+        """(stall, landed, complete) seconds of one capture + flush."""
+        self.step += 1
+        started = time.perf_counter()
+        stall = self.snap.capture(self.step, self.objects)
+        if self.device == "cuda":
+            torch.cuda.synchronize()            # the side-stream D2H copy has landed
+            landed = time.perf_counter() - started
+        else:
+            landed = stall                      # CPU copies finish inside capture()
+        self.snap.flush()
+        return stall, landed, time.perf_counter() - started
+
+    def published(self) -> int | None:
+        return self.client.latest(self.rank)
+
+    def close(self) -> None:
+        try:
+            self.snap.close()
+        finally:
+            self.client.close()
+
+
+def torch_save_once(model: nn.Module, path: str) -> float:
+    started = time.perf_counter()
+    torch.save(model.state_dict(), path)
+    took = time.perf_counter() - started
+    os.remove(path)
+    return took
 
 
 _PG_STATE = {"initialized_here": False}
 
 
-def _async_save(model: nn.Module, path: str) -> tuple[float, float]:
+def dcp_once(model: nn.Module, path: str) -> tuple[float, float]:
+    """(stall, complete) of one DCP async_save, waited for; its directory is removed."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -226,50 +211,138 @@ def _async_save(model: nn.Module, path: str) -> tuple[float, float]:
         # the directory, so no file is created after the cleanup
         _ = future.exception()
         raise
-    return returned, time.perf_counter() - started
+    complete = time.perf_counter() - started
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise RuntimeError(f"DCP async_save wrote no .metadata into {path}")
+    shutil.rmtree(path)
+    return returned, complete
 
 
-def measure_dcp(model: nn.Module, nbytes: int, device: str, repeats: int, tmp: str,
-                tag: str) -> dict[str, Any]:
-    stalls, complete = [], []
-    for i in range(repeats + 1):
-        path = os.path.join(tmp, f"dcp{i}")
-        _sync(device)
-        stall, done = _async_save(model, path)
-        if not os.path.exists(os.path.join(path, ".metadata")):
-            raise RuntimeError(f"DCP async_save wrote no .metadata into {path}")
-        shutil.rmtree(path)
-        if i:
-            stalls.append(stall), complete.append(done)
-            progress(f"{tag} dcp.async_save  rep {i}/{repeats}: stall {stall * 1e3:8.1f} ms, "
-                     f"complete {done:8.3f} s ({gbps(nbytes, done):.2f} GB/s)")
-    import torch.distributed as dist
-    return {"stall_s": summary(stalls), "complete_s": summary(complete),
-            "throughput_gbps": gbps(nbytes, median(complete)),
-            "process_group": "gloo(1 rank)" if dist.is_initialized() else None}
+def checksum_speed(nbytes: int = 16 * MiB, repeats: int = 3) -> dict[str, float]:
+    """GB/s of one core hashing an in-memory buffer (best of ``repeats``), per algorithm."""
+    data = memoryview(os.urandom(nbytes))
+    digest = {"sha256": lambda: hashlib.sha256(data).digest(), "crc32": lambda: zlib.crc32(data)}
+    speed = {}
+    for algo in ALGOS:
+        best = math.inf
+        for _ in range(repeats):
+            started = time.perf_counter()
+            digest[algo]()
+            best = min(best, time.perf_counter() - started)
+        speed[algo] = gbps(nbytes, best)
+    return speed
 
 
 # ----- one size, whole run ------------------------------------------------------------------
+
+def _algos_that_fit(nbytes: int, shm_dir: str, tag: str) -> tuple[str, ...]:
+    """Both checksum algos need 2 slots each in shm_dir, plus a torch.save file and a DCP
+    checkpoint; with too little room only sha256 (the default) is measured."""
+    free = shutil.disk_usage(shm_dir).free
+
+    def need(algos: int) -> float:
+        return (2 * algos + 2) * nbytes * 1.05 + (16 << 20)
+
+    if free >= need(len(ALGOS)):
+        return ALGOS
+    if free >= need(1):
+        progress(f"{tag} only {free / MiB:.0f} MiB free in {shm_dir}: measuring sha256 only")
+        return ALGOS[:1]
+    raise SystemExit(f"{shm_dir} has {free / MiB:.0f} MiB free, the {nbytes / MiB:.0f} MiB "
+                     f"state needs {need(1) / MiB:.0f} MiB; pass --shm-dir on a larger tmpfs")
+
 
 def bench_size(size_mib: int, device: str, repeats: int, shm_dir: str) -> dict[str, Any]:
     tag = f"{_label(size_mib):>8}"
     model = MLPState(size_mib * MiB, device)
     nbytes = model.nbytes()
+    objects = {"model": model}
     progress(f"{tag} state: {len(model.state_dict())} float32 tensors, {nbytes / MiB:.1f} MiB "
              f"on {device}")
     result: dict[str, Any] = {"size_mib": size_mib, "bytes": nbytes,
                               "tensors": len(model.state_dict()), "device": device}
+    job = f"bench-snap-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    secret = os.urandom(32)
+    algos = _algos_that_fit(nbytes, shm_dir, tag)
+    result["checksum_algos"] = list(algos)
     tmp = tempfile.mkdtemp(prefix=f"phalanx-bench-{os.getpid()}-", dir=shm_dir)
+    limit: CopyLimit | None = None
+    keeper: Keeper | None = None
+    runs: list[PhalanxRun] = []
+    s: dict[str, list[float]] = {}
+
+    def add(key: str, value: float) -> None:
+        s.setdefault(key, []).append(value)
+
     try:
-        result["limit"] = measure_limit(nbytes, device, repeats, tag)
-        gc.collect()
-        result["phalanx"] = measure_phalanx(model, nbytes, device, repeats, shm_dir, tag)
-        gc.collect()
-        result["torch_save"] = measure_torch_save(model, nbytes, repeats, tmp, tag)
-        result["dcp_async"] = measure_dcp(model, nbytes, device, repeats, tmp, tag)
+        limit = CopyLimit(nbytes, device)
+        keeper = Keeper("bench", job, secret, shm_dir, slots=2).start()
+        # every Snapshotter stays open until the end, so no slot mapping (CUDA-registered
+        # on GPUs) is unmapped and mapped again at the same address
+        for rank, algo in enumerate(algos):
+            runs.append(PhalanxRun(keeper, secret, rank, algo, objects, device))
+        warm: dict[str, float] = {"limit": limit.run()}
+        for run in runs:
+            warm[f"phalanx_{run.algo}"] = run.run()[2]   # allocates and maps the slots
+        warm["torch_save"] = torch_save_once(model, os.path.join(tmp, "state.pt"))
+        warm["dcp_async"] = dcp_once(model, os.path.join(tmp, "dcp-warmup"))[1]
+        progress(f"{tag} warm-up (keeper slots {len(runs) * 2} x {nbytes / MiB:.0f} MiB, first "
+                 f"save of each): " + ", ".join(f"{k} {v:.2f} s" for k, v in warm.items()))
+        for i in range(1, repeats + 1):
+            rep = f"{tag} rep {i}/{repeats}"
+            took = limit.run()
+            add("limit", took)
+            progress(f"{rep} {limit.kind:<15} {took * 1e3:9.1f} ms "
+                     f"({gbps(nbytes, took):6.2f} GB/s)")
+            for run in runs:
+                stall, landed, done = run.run()
+                add(f"{run.algo}_stall", stall), add(f"{run.algo}_landed", landed)
+                add(f"{run.algo}_complete", done)
+                progress(f"{rep} phalanx/{run.algo:<7} {done * 1e3:9.1f} ms "
+                         f"({gbps(nbytes, done):6.2f} GB/s), stall {stall * 1e3:.2f} ms")
+            took = torch_save_once(model, os.path.join(tmp, "state.pt"))
+            add("torch_save", took)
+            progress(f"{rep} torch.save      {took * 1e3:9.1f} ms ({gbps(nbytes, took):6.2f} GB/s)")
+            stall, done = dcp_once(model, os.path.join(tmp, f"dcp{i}"))
+            add("dcp_stall", stall), add("dcp_complete", done)
+            progress(f"{rep} dcp.async_save  {done * 1e3:9.1f} ms ({gbps(nbytes, done):6.2f} "
+                     f"GB/s), stall {stall * 1e3:.2f} ms")
+        result["limit"] = {"kind": limit.kind, "seconds": summary(s["limit"]),
+                           "gbps": gbps(nbytes, median(s["limit"])),
+                           "best_gbps": gbps(nbytes, min(s["limit"])),
+                           "torch_threads": torch.get_num_threads(), "warmup_s": warm["limit"]}
+        result["phalanx"] = {"job": job, "slots": 2}
+        for run in runs:
+            published = run.published()
+            if published != run.step:
+                raise RuntimeError(f"keeper holds step {published} for rank {run.rank}, "
+                                   f"expected {run.step}")
+            a = run.algo
+            result["phalanx"][a] = {
+                "stall_s": summary(s[f"{a}_stall"]), "landed_s": summary(s[f"{a}_landed"]),
+                "complete_s": summary(s[f"{a}_complete"]),
+                "warmup_s": warm[f"phalanx_{a}"],
+                "throughput_gbps": gbps(nbytes, median(s[f"{a}_complete"])),
+                "copy_gbps": gbps(nbytes, median(s[f"{a}_landed"])),
+                "published_step": published, "snapshot_bytes": run.snap.stats.bytes}
+        result["torch_save"] = {"seconds": summary(s["torch_save"]),
+                                "throughput_gbps": gbps(nbytes, median(s["torch_save"])),
+                                "warmup_s": warm["torch_save"]}
+        import torch.distributed as dist
+        result["dcp_async"] = {"stall_s": summary(s["dcp_stall"]),
+                               "complete_s": summary(s["dcp_complete"]),
+                               "throughput_gbps": gbps(nbytes, median(s["dcp_complete"])),
+                               "warmup_s": warm["dcp_async"],
+                               "process_group": "gloo(1 rank)" if dist.is_initialized() else None}
     finally:
+        for run in runs:
+            run.close()
+        if keeper is not None:
+            keeper.close()
+        if limit is not None:
+            limit.close()
         shutil.rmtree(tmp, ignore_errors=True)
-        del model
+        del model, objects
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -280,7 +353,7 @@ def bench_size(size_mib: int, device: str, repeats: int, shm_dir: str) -> dict[s
 def judge(r: dict[str, Any], device: str) -> dict[str, Any]:
     ratios, verdicts = {}, {}
     dcp_stall = r["dcp_async"]["stall_s"]["median"]
-    for algo in ALGOS:
+    for algo in r["checksum_algos"]:
         ph = r["phalanx"][algo]
         stall = ph["stall_s"]["median"]
         tput = ph["throughput_gbps"] / r["limit"]["gbps"]
@@ -306,7 +379,7 @@ def table(results: list[dict[str, Any]], device: str) -> str:
                "stall DCP/phalanx", "stall target", "throughput target"]
     rows = []
     for r in results:
-        for algo in ALGOS:
+        for algo in r["checksum_algos"]:
             ph, ra, ve = r["phalanx"][algo], r["ratios"][algo], r["verdicts"][algo]
             rows.append([_label(r["size_mib"]), algo, ph["stall_s"]["median"] * 1e3,
                          r["dcp_async"]["stall_s"]["median"] * 1e3,
@@ -316,7 +389,7 @@ def table(results: list[dict[str, Any]], device: str) -> str:
     return markdown_table(headers, rows)
 
 
-def notes(device: str) -> list[str]:
+def notes(device: str, hash_gbps: dict[str, float]) -> list[str]:
     common = [
         "complete = capture start until flush() returns: copy into the keeper's slot, then on "
         "the Snapshotter's one background thread the per-tensor checksums (one thread), the "
@@ -325,9 +398,10 @@ def notes(device: str) -> list[str]:
         "only a cryptographic checksum makes the payload tamper-evident; crc32 catches bit rot "
         "but not forgery. crc32 is faster per core, so its completion throughput is higher; "
         "the training stall is the same for both (checksums run in the background).",
-        "The checksum pass is single-threaded and runs at one core's hash speed (~1 GB/s "
-        "sha256, ~2 GB/s crc32 here); it caps the completion throughput far below a memory or "
-        "PCIe copy, whatever the copy path does.",
+        "The checksum pass is single-threaded and runs at one core's hash speed (measured in "
+        "this run: " + ", ".join(f"{a} {v:.2f} GB/s" for a, v in hash_gbps.items()) + "); "
+        "with the copy before it, complete time = bytes/copy + bytes/hash, so the completion "
+        "throughput stays below that hash speed and far below a memory or PCIe copy.",
         "torch.save and DCP write fresh tmpfs pages on every save (page faults); phalanx "
         "reuses two pre-faulted slots.",
     ]
@@ -354,11 +428,12 @@ def chart(results: list[dict[str, Any]], device: str, path: Path) -> bool:
     def col(fn: Any) -> list[float]:
         return [fn(r) for r in results]
 
+    algos = [a for a in ALGOS if all(a in r["checksum_algos"] for r in results)]
     stall = {f"phalanx {a}": col(lambda r, a=a: r["phalanx"][a]["stall_s"]["median"] * 1e3)
-             for a in ALGOS}
+             for a in algos}
     stall["DCP async_save"] = col(lambda r: r["dcp_async"]["stall_s"]["median"] * 1e3)
     stall["torch.save"] = col(lambda r: r["torch_save"]["seconds"]["median"] * 1e3)
-    tput = {f"phalanx {a}": col(lambda r, a=a: r["phalanx"][a]["throughput_gbps"]) for a in ALGOS}
+    tput = {f"phalanx {a}": col(lambda r, a=a: r["phalanx"][a]["throughput_gbps"]) for a in algos}
     tput["DCP async_save"] = col(lambda r: r["dcp_async"]["throughput_gbps"])
     tput["torch.save"] = col(lambda r: r["torch_save"]["throughput_gbps"])
     tput[f"{limit} limit"] = col(lambda r: r["limit"]["gbps"])
@@ -408,7 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     progress(f"snapshot bench: device={args.device} sizes(MiB)={args.sizes} "
              f"repeats={args.repeats} shm_dir={args.shm_dir} torch threads="
-             f"{torch.get_num_threads()}")
+             f"{torch.get_num_threads()} cpus={os.cpu_count()} load average "
+             f"{load_before[0]:.2f} (other processes' CPU use skews every number)")
+    hash_gbps = checksum_speed()
+    progress("one core's checksum speed: " + ", ".join(f"{a} {v:.2f} GB/s"
+                                                       for a, v in hash_gbps.items()))
     results = []
     try:
         for size in args.sizes:
@@ -425,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
                     "loadavg_after": os.getloadavg()},
         "targets": CUDA_TARGETS if args.device == "cuda" else CPU_TARGETS,
         "systems": ["phalanx", "torch_save", "dcp_async", "limit"], "checksum_algos": list(ALGOS),
-        "results": results, "notes": notes(args.device), "warnings": collected.messages,
+        "checksum_gbps_one_core": hash_gbps,
+        "results": results, "notes": notes(args.device, hash_gbps), "warnings": collected.messages,
     }
     png = out / f"{stem}.png"
     report["png"] = str(png) if chart(results, args.device, png) else None
@@ -442,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"{CPU_TARGETS['throughput_vs_limit_min']:.0%} of memcpy")
     print(targets)
     for r in results:
-        for algo in ALGOS:
+        for algo in r["checksum_algos"]:
             v = r["verdicts"][algo]
             print(f"  {_label(r['size_mib']):>8} {algo:<7} stall {v['stall']}  "
                   f"throughput {v['throughput']}")
@@ -451,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  - {note}")
     for message in collected.messages:
         print(f"  warning: {message}")
+    print(f"load average before {load_before[0]:.2f}, after {report['machine']['loadavg_after'][0]:.2f}"
+          f" on {os.cpu_count()} cpus")
     print(f"wrote {json_path}" + (f" and {png}" if report["png"] else ""))
     return 0
 

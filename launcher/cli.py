@@ -71,6 +71,10 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
     for rank, digest in hashes.items():
         if digest:
             print(f"rank {rank} final parameter hash {digest}")
+    for record in result.recoveries:
+        print(f"recovered from {record['fault']} of rank(s) {record['ranks']}: generation "
+              f"{record['generation']}, rolled back to step {record['restore_step']}, fault to "
+              f"first step {record['fault_to_first_step_s']:.2f} s")
     for node, held in result.keepers.items():
         summary = ", ".join(f"rank {rank}: steps {info.get('local')}" for rank, info in sorted(held.items()))
         print(f"keeper {node}: {summary}")

@@ -13,19 +13,25 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 from rich.console import Console
 
-from configs.errors import ConfigError, PhalanxError, WorkerFailed
+from configs.errors import ConfigError, PhalanxError, PlanInfeasible, WorkerFailed
 from configs.loader import dump_config
 from configs.schema import PhalanxConfig
-from launcher.entrypoint import resolve_path
+from runtime.entrypoint import resolve_path
 from launcher.keeper_actor import KeeperActor, build_tiers, node_name
+from launcher.coordinator import RankSlot, RecoveryCoordinator
+from launcher.drills import Injector, load_scenario
+from launcher.events import EventLog
+from launcher.monitor import Monitor, PollResult
 from launcher.progress import ProgressView
 from launcher.ray_cluster import node_resource
 from launcher.rundir import RunDir
 from launcher.services import Services, start_services
-from launcher.worker import WorkerActor
+from spares.actor import WorkerActor
+from spares.pool import SparePool
+from recovery.base import FaultReport, WorldView
+from recovery.detection import StallDetector, classify
 from runtime.context import WorkerContext
 from runtime.shm import check_capacity, memory_plan
 
@@ -44,14 +50,7 @@ class JobResult:
     results: dict[int, Any] = field(default_factory=dict)
     seconds: float = 0.0
     keepers: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _Rank:
-    rank: int
-    node: int
-    actor: Any
-    ref: Any = None
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
 
 
 class JobRunner:
@@ -70,6 +69,8 @@ class JobRunner:
         started = time.monotonic()
         self._check_memory()
         self._check_tiers()
+        self.scenario = load_scenario(self.cfg.drills.scenario) if self.cfg.drills.scenario \
+            else None
         run = RunDir.create(self.cfg)
         self.secret_hex = job_secret(self.cfg, run).hex()
         self.console.print(f"phalanx: run directory {run.path}")
@@ -79,11 +80,23 @@ class JobRunner:
             run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
                            "etcd_prefix": self.cfg.etcd.prefix, "launcher_pid": os.getpid(),
                            "world_size": self.cfg.job.world_size})
+            self.services, self._stack = services, stack
             self._start_keepers(services, run, stack)
-            ranks = self._start_workers(services, run, stack)
-            results = self._watch(services, ranks)
+            events = EventLog(run.path / "events.jsonl", services.membership)
+            pool = self._start_spares(stack)
+            coordinator = RecoveryCoordinator(
+                self.cfg, services.membership, self.keepers, pool,
+                lambda slot, gen, restore: self._launch(run, slot, gen, restore), events,
+                self.cfg.tiers.disk.path or str(run.path / "checkpoints"))
+            coordinator.fence_initial()
+            slots = self._start_workers(run)
+            events.emit("started", world_size=self.cfg.job.world_size, nodes=self.cfg.job.nodes,
+                        spares=self.cfg.spares.count)
+            results = self._watch(run, slots, coordinator)
             holdings = self._keeper_holdings()
-        result = JobResult(run.path, results, time.monotonic() - started, holdings)
+            events.emit("finished", recoveries=coordinator.recoveries)
+        result = JobResult(run.path, results, time.monotonic() - started, holdings,
+                           coordinator.history)
         self.console.print(f"phalanx: job {self.cfg.job.name} finished in {result.seconds:.1f} s")
         return result
 
@@ -124,59 +137,96 @@ class JobRunner:
         self.keepers = {node: (actor, tuple(addr)) for (node, actor), addr
                         in zip(actors.items(), addresses)}
 
+    def _start_spares(self, stack: contextlib.ExitStack) -> SparePool | None:
+        cfg = self.cfg
+        if cfg.spares.count <= 0:
+            return None
+        pool = SparePool(cfg.spares.count, self.entrypoint, cfg.job.torch_threads,
+                         cfg.spares.warmup, cfg.job.cpus_per_worker, node_resource, cfg.job.name)
+        stack.callback(pool.close)
+        return pool.start(list(range(cfg.job.nodes)))
+
     def _keeper_holdings(self) -> dict[str, Any]:
         """What each keeper holds at the end of the run (for the summary and tests)."""
         names = [node_name(node) for node in self.keepers]
         refs = [actor.holdings.remote() for actor, _ in self.keepers.values()]
         return dict(zip(names, ray.get(refs, timeout=30))) if refs else {}
 
-    def _context(self, services: Services, run: RunDir, rank: int, node: int) -> WorkerContext:
-        cfg = self.cfg
-        keeper_host, keeper_port = self.keepers[node][1] if node in self.keepers else ("", 0)
+    def _context(self, run: RunDir, slot: RankSlot, generation: int,
+                 restore: dict | None) -> WorkerContext:
+        cfg, services = self.cfg, self.services
+        keeper_host, keeper_port = self.keepers[slot.node][1] if slot.node in self.keepers \
+            else ("", 0)
         return WorkerContext(
-            job=cfg.job.name, rank=rank, world_size=cfg.job.world_size,
-            local_rank=rank // cfg.job.nodes, node=node_name(node), worker_id=f"w{rank}-g0",
-            generation=0, master_addr=services.store_host, master_port=services.store.port,
-            etcd_endpoints=tuple(services.etcd_endpoints), etcd_prefix=cfg.etcd.prefix,
-            lease_ttl_s=cfg.etcd.lease_ttl_s, heartbeat_s=cfg.etcd.heartbeat_s,
-            group_timeout_s=cfg.recovery.group_timeout_s, run_dir=str(run.path),
-            torch_threads=cfg.job.torch_threads, keeper_host=keeper_host, keeper_port=keeper_port,
+            job=cfg.job.name, rank=slot.rank, world_size=cfg.job.world_size,
+            local_rank=slot.rank // cfg.job.nodes, node=node_name(slot.node),
+            worker_id=slot.worker_id, generation=generation, master_addr=services.store_host,
+            master_port=services.store.port, etcd_endpoints=tuple(services.etcd_endpoints),
+            etcd_prefix=cfg.etcd.prefix, lease_ttl_s=cfg.etcd.lease_ttl_s,
+            heartbeat_s=cfg.etcd.heartbeat_s, group_timeout_s=cfg.recovery.group_timeout_s,
+            run_dir=str(run.path), torch_threads=cfg.job.torch_threads,
+            keeper_host=keeper_host, keeper_port=keeper_port,
             snapshot_every=str(cfg.snapshot.every_steps),
-            overhead_budget=cfg.snapshot.overhead_budget, secret_hex=self.secret_hex)
+            overhead_budget=cfg.snapshot.overhead_budget, secret_hex=self.secret_hex,
+            extra={"restore": restore} if restore else {})
 
-    def _start_workers(self, services: Services, run: RunDir,
-                       stack: contextlib.ExitStack) -> list[_Rank]:
+    def _new_actor(self, node: int, name: str) -> Any:
         cfg = self.cfg
-        ranks = []
-        for rank in range(cfg.job.world_size):
-            node = rank % cfg.job.nodes
-            actor = WorkerActor.options(
-                num_cpus=cfg.job.cpus_per_worker, resources={node_resource(node): 1},
-                name=f"{cfg.job.name}-rank{rank}", lifetime=None,
-            ).remote(self.entrypoint, cfg.job.torch_threads)
-            stack.callback(_kill_actor, actor)
-            ranks.append(_Rank(rank, node, actor))
-        for entry in ranks:
-            ctx = self._context(services, run, entry.rank, entry.node)
-            entry.ref = entry.actor.run.remote(ctx.to_env(), dict(cfg.job.args),
-                                               str(run.log_path(f"rank_{entry.rank}")))
-        return ranks
+        actor = WorkerActor.options(
+            num_cpus=cfg.job.cpus_per_worker, resources={node_resource(node): 1},
+            name=f"{cfg.job.name}-{name}").remote(self.entrypoint, cfg.job.torch_threads,
+                                                   cfg.spares.warmup)
+        self._stack.callback(_kill_actor, actor)
+        return actor
 
-    def _watch(self, services: Services, ranks: list[_Rank]) -> dict[int, Any]:
+    def _launch(self, run: RunDir, slot: RankSlot, generation: int, restore: dict | None) -> Any:
+        """Start ``slot``'s entrypoint (a fresh actor when it has none); returns the ref."""
+        if slot.actor is None:
+            slot.actor = self._new_actor(slot.node, f"{slot.worker_id}-r{slot.rank}")
+        else:
+            self._stack.callback(_kill_actor, slot.actor)
+        ctx = self._context(run, slot, generation, restore)
+        return slot.actor.run.remote(ctx.to_env(), dict(self.cfg.job.args),
+                                     str(run.log_path(f"rank_{slot.rank}_{slot.worker_id}")))
+
+    def _start_workers(self, run: RunDir) -> dict[int, RankSlot]:
+        slots = {}
+        for rank in range(self.cfg.job.world_size):
+            node = rank % self.cfg.job.nodes
+            slot = RankSlot(rank, f"w{rank}-g0", node, self._new_actor(node, f"rank{rank}"))
+            slots[rank] = slot
+        for slot in slots.values():
+            slot.ref = self._launch(run, slot, 0, None)
+        return slots
+
+    def _watch(self, run: RunDir, slots: dict[int, RankSlot],
+               coordinator: RecoveryCoordinator) -> dict[int, Any]:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.job.timeout_s
         total = cfg.job.args.get("steps") if isinstance(cfg.job.args.get("steps"), int) else None
         view = ProgressView(self.console, cfg.job.world_size, total).start()
-        pending = {entry.ref: entry for entry in ranks}
+        monitor = Monitor(cfg.job.nodes)
+        injector = self._injector(coordinator)
+        stall = StallDetector(cfg.detection.stall_timeout_s)
         results: dict[int, Any] = {}
         try:
-            while pending:
-                done, _ = ray.wait(list(pending), num_returns=1, timeout=0.25)
-                for ref in done:
-                    entry = pending.pop(ref)
-                    results[entry.rank] = _result_of(ref, entry.rank)
-                    view.mark(entry.rank, "finished")
-                view.update(services.membership.members())
+            while len(results) < cfg.job.world_size:
+                members = self.services.membership.members()
+                polled = monitor.poll(slots, set(results), members,
+                                      timeout_s=cfg.detection.poll_interval_s)
+                results.update(polled.finished)
+                for sample in polled.progress:
+                    stall.observe(sample)
+                faults = self._classify(polled, slots, coordinator, stall)
+                if faults:
+                    if not cfg.recovery.enabled:
+                        raise PlanInfeasible(f"recovery is disabled: {faults[0].evidence}")
+                    coordinator.recover(faults, slots)
+                    stall.reset()
+                coordinator.check_resumed(members)
+                if injector is not None:
+                    injector.poll(members)
+                view.update(members)
                 if time.monotonic() > deadline:
                     raise JobTimeout(f"job {cfg.job.name} ran past job.timeout_s="
                                      f"{cfg.job.timeout_s}")
@@ -184,18 +234,29 @@ class JobRunner:
             view.close()
         return {rank: results[rank] for rank in sorted(results)}
 
+    def _injector(self, coordinator: RecoveryCoordinator) -> Injector | None:
+        if self.scenario is None:
+            return None
+        local = self.services.local_ray
+        if local is None:
+            raise ConfigError("drills.scenario", "node faults need the local Ray",
+                              "drill against the embedded cluster (ray.address empty)")
+        return Injector(self.scenario, local.remove_node,
+                        coordinator.events.emit)
 
-def _result_of(ref: Any, rank: int) -> Any:
-    """A finished worker's result; raises the worker's own error as the root cause."""
-    try:
-        return ray.get(ref)
-    except RayTaskError as exc:
-        cause = exc.cause if isinstance(exc.cause, BaseException) else None
-        if isinstance(cause, WorkerFailed):
-            raise cause from None
-        raise WorkerFailed(rank, str(exc).splitlines()[0], str(exc)) from None
-    except RayActorError as exc:
-        raise WorkerFailed(rank, f"worker process died: {exc}") from None
+    def _classify(self, polled: PollResult, slots: dict[int, RankSlot],
+                  coordinator: RecoveryCoordinator, stall: StallDetector) -> list[FaultReport]:
+        world = WorldView(
+            generation=coordinator.generation, world_size=self.cfg.job.world_size,
+            rank_workers={r: s.worker_id for r, s in slots.items()},
+            worker_nodes={s.worker_id: node_name(s.node) for s in slots.values()},
+            live_nodes=frozenset(node_name(n) for n in coordinator.live_nodes),
+            committed_step=-1)
+        now = time.monotonic()
+        faults = classify(polled.signals, world, now)
+        if not faults and coordinator.pending is None:
+            faults = stall.check(now)
+        return faults
 
 
 def job_secret(cfg: PhalanxConfig, run: RunDir) -> bytes:

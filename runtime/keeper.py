@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from configs.errors import ConfigError, PeerUnreachable, SnapshotNotFound, StaleGeneration
 from runtime.keeper_wire import KeeperClient, KeeperRequestInvalid, SlotBusy, handle
-from runtime.replica_wire import TensorIndex
+from runtime.replica_receiver import TensorIndex
 from runtime.shm import (Held, RankSlots, ShmBuffer, check_capacity, memory_plan, owned_names,
                          pick_slot, remove_stale, shm_prefix, validate_name)
 from runtime.transport import DEFAULT_MAX_PAYLOAD, FrameServer, Reply, Request

@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol
 
 from configs.errors import FatalError, TransientError
 from runtime.frames import FrameInvalid, register_remote_error
-from runtime.replica_wire import TensorIndex, answer_offer, receive_push
+from runtime.replica_receiver import TensorIndex, answer_offer, receive_push
 from runtime.transport import DEFAULT_TIMEOUT_S, FrameClient, Reply, Request
 
 MAX_MANIFEST_BYTES = 64 << 20

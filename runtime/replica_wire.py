@@ -1,6 +1,7 @@
-"""The replica push protocol between keepers: per-chunk digests, dedup of tensors the
-receiver already holds, and the receiving keeper's side of both ops. The sender is
-``runtime.replication``; ``runtime.keeper_wire`` dispatches the two ops here.
+"""The replica push protocol between keepers: the frames, per-chunk digests, which bytes
+travel when the receiver already holds some tensors, and the sender's connection
+(``ReplicaLink``). The sender is ``runtime.replication``; the receiving keeper's side is
+``runtime.replica_receiver``, which ``runtime.keeper_wire`` dispatches the two ops to.
 
 Two requests per push, on one authenticated connection (``runtime.frames``)::
 
@@ -36,27 +37,27 @@ corruption, and tensors under ``MIN_DEDUP_BYTES`` are not worth the lookup.
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
+import socket
+import struct
 import threading
 import zlib
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from configs.errors import FatalError, SnapshotCorrupt, SnapshotNotFound
-from runtime.frames import IncomingPayload, register_remote_error
-from runtime.shm import Held
-
-log = logging.getLogger(__name__)
+from configs.errors import FatalError, PeerUnreachable
+from runtime.frames import (MAX_HEADER_BYTES, FrameInvalid, client_handshake, io_errors,
+                            raise_for_reply, recv_header, register_remote_error)
 
 CHUNK_DIGESTS = ("sum64", "crc32")
 DIGEST_BYTES = 8
 MIN_DEDUP_BYTES = 4096
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4096, 256 << 20
 _DEDUP_ALGOS = ("sha256:", "blake2b:")
-_COPY_SLICE = 16 << 20  # memcpy slices, so a large copy does not hold the GIL for long
 _WORDS = np.dtype("<u8")
+_LEN = struct.Struct(">I")  # runtime.frames' header length prefix
 
 Range = tuple[int, int]  # (offset, nbytes) in a payload
 
@@ -164,154 +165,107 @@ def push_nbytes(manifest_nbytes: int, segments: Sequence[Range], chunk_bytes: in
     return manifest_nbytes + sent + DIGEST_BYTES * -(-sent // chunk_bytes)
 
 
-# ----- the receiving keeper --------------------------------------------------------------
+# ----- the sender's connection -----------------------------------------------------------
 
-class _Receiving(Protocol):
-    """What the receiver needs of a Keeper (runtime.keeper.Keeper)."""
-
-    node: str
-    tensor_index: "TensorIndex"
-
-    def ready_snapshots(self) -> list[Held]: ...
-    def pin_held(self, held: Held, manifest: bytes) -> bool: ...
-    def unpin(self, held: Held) -> None: ...
-    def holdings(self) -> dict[int, dict[str, Any]]: ...
-    def store_replica(self, rank: int, step: int, manifest: bytes, nbytes: int,
-                      fill: Callable[[memoryview], None]) -> list[int]: ...
+def send_chunk(sock: socket.socket, windows: Sequence[memoryview], digest: bytes) -> None:
+    """Send one chunk's parts, then its digest (the seam tests use to corrupt a chunk)."""
+    for window in windows:
+        sock.sendall(window)
+    sock.sendall(digest)
 
 
-class TensorIndex:
-    """Checksum → where a keeper holds those bytes, over its ready snapshots. Parsed
-    manifests are cached per held buffer until that buffer holds another snapshot.
-    Thread-safe: connection threads share it."""
+class ReplicaLink:
+    """One authenticated connection to a holder keeper, used by its sender thread only.
+    ``abort`` (any thread) shuts it down so a blocked send or receive returns at once;
+    an aborted or failed link is never reused."""
 
-    def __init__(self) -> None:
+    def __init__(self, address: tuple[str, int], secret: bytes, job: str, generation: int,
+                 timeout_s: float) -> None:
+        self.address, self.generation = address, generation
+        self.where = f"{address[0]}:{address[1]}"
+        self._secret, self._job, self._timeout_s = secret, job, timeout_s
         self._lock = threading.Lock()
-        self._parsed: dict[Held, tuple[bytes, list[tuple[int, int, str]]]] = {}
+        self._sock: socket.socket | None = None
+        self.dead = False
 
-    def find(self, helds: Sequence[Held],
-             wanted: set[tuple[str, int]]) -> dict[tuple[str, int], tuple[Held, bytes, int]]:
-        """(checksum, nbytes) → (held, its manifest, offset) for each wanted one held."""
-        found: dict[tuple[str, int], tuple[Held, bytes, int]] = {}
+    def open(self) -> None:
+        """Connect and authenticate; PeerUnreachable or PeerRefused."""
+        with io_errors(self.where, "connect"):
+            sock = socket.create_connection(self.address, timeout=self._timeout_s)
         with self._lock:
-            live = set(helds)
-            for gone in [h for h in self._parsed if h not in live]:
-                del self._parsed[gone]
-            for held in helds:
-                manifest, used = held.manifest, held.used  # read once: fields may change
-                cached = self._parsed.get(held)
-                if cached is None or cached[0] is not manifest:
-                    cached = (manifest, tensor_ranges(manifest, used))
-                    self._parsed[held] = cached
-                for offset, nbytes, checksum in cached[1]:
-                    key = (checksum, nbytes)
-                    if key in wanted and key not in found:
-                        found[key] = (held, manifest, offset)
-        return found
+            self._sock, dead = sock, self.dead
+        if dead:
+            self.close()
+            raise PeerUnreachable(f"{self.where}: connection aborted")
+        with io_errors(self.where, "handshake"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client_handshake(sock, self.where, self._secret, self._job, "replicator",
+                         self.generation)
 
+    def abort(self) -> None:
+        """Shut the socket down from any thread (never blocks: callers hold locks)."""
+        with self._lock:
+            self.dead = True
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
 
-def answer_offer(keeper: _Receiving, rank: int, step: int, manifest: bytes,
-                 size: int) -> dict[str, Any]:
-    """Reply to replica_offer: the offered tensors this keeper holds, and the steps of
-    ``rank`` it holds as replicas (a push of one of those is not needed)."""
-    tensors = tensor_ranges(manifest, size)
-    candidates = dedup_candidates(tensors)
-    have: list[int] = []
-    if candidates:
-        wanted = {(tensors[i][2], tensors[i][1]) for i in candidates}
-        found = keeper.tensor_index.find(keeper.ready_snapshots(), wanted)
-        have = [i for i in candidates if (tensors[i][2], tensors[i][1]) in found]
-    held = keeper.holdings().get(rank, {}).get("replica", [])
-    return {"have": have, "held": held}
+    def close(self) -> None:
+        with self._lock:
+            self.dead = True
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
 
+    def call(self, header: dict[str, Any], payload: bytes = b"") -> dict[str, Any]:
+        """One request with a small payload; the reply header (remote errors raised)."""
+        sock = self._live()
+        self._send_header(sock, header, len(payload))
+        with io_errors(self.where, f"send op={header['op']}"):
+            sock.sendall(payload)
+        return self._reply(sock, header["op"], self._timeout_s)
 
-def receive_push(keeper: _Receiving, rank: int, step: int, manifest: bytes,
-                 header: dict[str, Any], payload: IncomingPayload) -> dict[str, Any]:
-    """Store the replica a replica_push frame carries (``manifest`` already read).
+    def push(self, header: dict[str, Any], manifest: bytes, view: memoryview,
+             segments: Sequence[Range], algo: str, check: Callable[[], None],
+             first_timeout_s: float) -> dict[str, Any]:
+        """Stream a replica_push frame: manifest, then each chunk of ``segments`` of
+        ``view`` followed by its digest (computed just before it is sent)."""
+        sock, chunk_bytes = self._live(), header["chunk_bytes"]
+        self._send_header(sock, header, push_nbytes(len(manifest), segments, chunk_bytes))
+        with io_errors(self.where, "send replica"):
+            sock.sendall(manifest)
+            sock.settimeout(first_timeout_s)  # the receiver may allocate its buffer first
+            for parts in iter_chunks(segments, chunk_bytes):
+                check()
+                windows = [view[offset:offset + n] for offset, n in parts]
+                try:
+                    send_chunk(sock, windows, chunk_digest(windows, algo))
+                finally:
+                    for window in windows:
+                        window.release()
+                sock.settimeout(self._timeout_s)
+        return self._reply(sock, "replica_push", self._timeout_s)
 
-    Raises ReplicaInvalid (fields, sizes), SnapshotNotFound (a reused tensor is no
-    longer held: offer again) or SnapshotCorrupt (a chunk digest differs); then the
-    keeper keeps what it held and the server drains the rest of the frame."""
-    size, chunk_bytes, algo = header.get("size"), header.get("chunk_bytes"), header.get("digest")
-    reuse = header.get("reuse", [])
-    if type(size) is not int or size <= 0:
-        raise ReplicaInvalid(f"replica size {size!r} must be a positive integer")
-    if type(chunk_bytes) is not int or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
-        raise ReplicaInvalid(f"chunk_bytes {chunk_bytes!r} must lie in "
-                             f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
-    if algo not in CHUNK_DIGESTS:
-        raise ReplicaInvalid(f"unknown chunk digest {algo!r}; use one of {CHUNK_DIGESTS}")
-    tensors = tensor_ranges(manifest, size) if reuse else []
-    allowed = set(dedup_candidates(tensors))
-    if not (isinstance(reuse, list) and all(type(i) is int and i in allowed for i in reuse)
-            and reuse == sorted(set(reuse))):
-        raise ReplicaInvalid("reuse must list distinct, ascending indices of offered tensors")
-    segments = sent_segments(size, reused_ranges(tensors, reuse))
-    expected = push_nbytes(len(manifest), segments, chunk_bytes)
-    if payload.nbytes != expected:
-        raise ReplicaInvalid(f"replica push of rank {rank} step {step} carries "
-                             f"{payload.nbytes} bytes, the layout needs {expected}")
-    copies = _resolve(keeper, rank, step, [tensors[i] for i in reuse])
+    def _live(self) -> socket.socket:
+        with self._lock:
+            sock = self._sock
+        if sock is None or self.dead:
+            raise PeerUnreachable(f"{self.where}: connection aborted")
+        return sock
 
-    def fill(view: memoryview) -> None:
-        for dst, nbytes, held, src_manifest, src in copies:
-            _copy_held(keeper, view, dst, nbytes, held, src_manifest, src, rank, step)
-        for index, parts in enumerate(iter_chunks(segments, chunk_bytes)):
-            receive_chunk(payload, view, parts, algo, index)
+    def _send_header(self, sock: socket.socket, header: dict[str, Any], nbytes: int) -> None:
+        body = json.dumps({**header, "nbytes": nbytes}, separators=(",", ":")).encode()
+        if len(body) > MAX_HEADER_BYTES:
+            raise FrameInvalid(f"{self.where}: header of {len(body)} bytes exceeds "
+                               f"{MAX_HEADER_BYTES}")
+        with io_errors(self.where, f"send op={header['op']}"):
+            sock.settimeout(self._timeout_s)
+            sock.sendall(_LEN.pack(len(body)) + body)
 
-    evicted = keeper.store_replica(rank, step, manifest, size, fill)
-    held_steps = keeper.holdings().get(rank, {}).get("replica", [])
-    return {"evicted": evicted, "held": held_steps, "received": size - sum(c[1] for c in copies),
-            "reused": sum(c[1] for c in copies)}
-
-
-def _resolve(keeper: _Receiving, rank: int, step: int, reused: list[tuple[int, int, str]],
-             ) -> list[tuple[int, int, Held, bytes, int]]:
-    if not reused:
-        return []
-    found = keeper.tensor_index.find(keeper.ready_snapshots(),
-                                     {(checksum, nbytes) for _, nbytes, checksum in reused})
-    out = []
-    for offset, nbytes, checksum in reused:
-        source = found.get((checksum, nbytes))
-        if source is None:
-            raise SnapshotNotFound(f"keeper {keeper.node}: tensor {checksum} ({nbytes} bytes) "
-                                   f"of rank {rank} step {step} is no longer held; offer again")
-        held, manifest, src = source
-        out.append((offset, nbytes, held, manifest, src))
-    return out
-
-
-def _copy_held(keeper: _Receiving, view: memoryview, dst: int, nbytes: int, held: Held,
-               manifest: bytes, src: int, rank: int, step: int) -> None:
-    if not keeper.pin_held(held, manifest):
-        raise SnapshotNotFound(f"keeper {keeper.node}: a tensor reused by rank {rank} step "
-                               f"{step} left memory during the push; offer again")
-    try:
-        with held.buf.view(held.used) as source:
-            for at in range(0, nbytes, _COPY_SLICE):
-                n = min(_COPY_SLICE, nbytes - at)
-                view[dst + at:dst + at + n] = source[src + at:src + at + n]
-    finally:
-        keeper.unpin(held)
-
-
-def receive_chunk(payload: IncomingPayload, view: memoryview, parts: Sequence[Range],
-                  algo: str, index: int) -> None:
-    """Receive one chunk's parts into ``view`` and its digest; SnapshotCorrupt if the
-    digest differs from the bytes received. (Called on the keeper's connection thread.)"""
-    windows = [view[offset:offset + nbytes] for offset, nbytes in parts]
-    try:
-        for window in windows:
-            payload.recv_into(window)
-        trailer = bytearray(DIGEST_BYTES)
-        with memoryview(trailer) as tview:
-            payload.recv_into(tview)
-        got = chunk_digest(windows, algo)
-    finally:
-        for window in windows:
-            window.release()
-    if got != bytes(trailer):
-        raise SnapshotCorrupt(f"replica chunk {index} at payload offset {parts[0][0]} failed "
-                              f"its {algo} digest (sent {bytes(trailer).hex()}, received bytes "
-                              f"give {got.hex()}): corrupted in flight; the replica is refused")
+    def _reply(self, sock: socket.socket, op: str, timeout_s: float) -> dict[str, Any]:
+        sock.settimeout(timeout_s)
+        reply = recv_header(sock, where=self.where, max_payload=0)
+        if reply is None:
+            raise PeerUnreachable(f"{self.where}: connection closed before the reply to op={op}")
+        raise_for_reply(reply, self.where)
+        return reply

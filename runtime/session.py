@@ -1,11 +1,16 @@
 """The training script's handle on phalanx: registered state, the step boundary, the
-collective group and membership of one rank.
+collective of the current generation, membership and recovery of one rank.
 
     session = phalanx.Session()
     session.register(model=model, optimizer=opt)
-    while session.step_index < steps:
-        with session.step():
-            ...  # forward, backward, session.all_reduce(grad), optimizer.step()
+    with session:
+        while session.step_index < steps:
+            with session.step():
+                ...  # forward, backward, session.all_reduce(grad), optimizer.step()
+
+A failed collective inside a step (a peer died or hung) ends that step: the session waits
+for the next generation's plan, rolls its state back to the plan's restore step and
+returns from ``step()``; ``step_index`` then says which step to run.
 """
 from __future__ import annotations
 
@@ -21,12 +26,18 @@ import torch.distributed as dist
 
 from configs.errors import LeaseLost, MembershipUnavailable
 from runtime.base import MemberRecord
+from runtime.collective import Collective, CollectiveAborted
 from runtime.context import WorkerContext
+from runtime.generation import Fenced, GenerationPlan, GenerationWatcher
 from runtime.keeper_wire import KeeperClient
 from runtime.membership_etcd import EtcdMembership, job_prefix
-from runtime.process_group import all_reduce, connect_store, form_group
+from runtime.process_group import connect_store
+from runtime.rejoin import restore_rank
 from runtime.snapshotter import SnapshotPolicy, Snapshotter
 from runtime.state_tree import RNGState
+
+log = logging.getLogger(__name__)
+PLAN_TIMEOUT_S = 120.0
 
 
 class _Progress:
@@ -41,15 +52,13 @@ class _Progress:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step_index = int(state["step_index"])
 
-log = logging.getLogger(__name__)
-
 
 class Session:
-    """One rank's participation in a phalanx job.
+    """One rank's participation in a phalanx job; used from the training thread.
 
-    Constructed in the training process (the worker's thread). ``start()`` joins the
-    generation's group and etcd; raises ``PeerUnreachable`` or ``MembershipUnavailable``.
-    A heartbeat thread reports progress to etcd every ``heartbeat_s``.
+    ``start()`` restores the rank's state when it replaces a lost rank, joins the
+    generation's group and etcd; raises ``PeerUnreachable``, ``MembershipUnavailable`` or
+    ``SnapshotNotFound``. A heartbeat thread reports progress every ``heartbeat_s``.
     """
 
     def __init__(self, context: WorkerContext | None = None, capture_rng: bool = True) -> None:
@@ -58,12 +67,13 @@ class Session:
         self._objects: dict[str, Any] = {"__phalanx__": self._progress}
         if capture_rng:
             self._objects["__rng__"] = RNGState()
+        self.generation = self.context.generation
+        self.recoveries = 0
         self._keeper: KeeperClient | None = None
         self._snapshotter: Snapshotter | None = None
-        self._step_started = 0.0
-        self._store: dist.Store | None = None
-        self._group: dist.ProcessGroup | None = None
+        self._collective: Collective | None = None
         self._membership: EtcdMembership | None = None
+        self._watcher: GenerationWatcher | None = None
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
         self._started = False
@@ -74,19 +84,24 @@ class Session:
             return self
         ctx = self.context
         torch.set_num_threads(ctx.torch_threads)
-        if not ctx.standalone_run:
-            self._store = connect_store(ctx, ctx.group_timeout_s)
-            self._group = form_group(self._store, ctx.generation, ctx.rank, ctx.world_size,
-                                     ctx.group_timeout_s)
         if ctx.etcd_endpoints:
             self._membership = EtcdMembership(list(ctx.etcd_endpoints),
                                               job_prefix(ctx.etcd_prefix, ctx.job)).connect()
+            self._watcher = GenerationWatcher(self._membership).start()
+        if ctx.keeper_port:
+            self._start_snapshots()
+        restore = ctx.extra.get("restore")
+        if isinstance(restore, dict):
+            self._apply_restore(int(restore["step"]), restore["sources"], ctx.generation)
+        if not ctx.standalone_run:
+            store = connect_store(ctx, ctx.group_timeout_s)
+            self._collective = Collective(store, ctx.rank, ctx.world_size, ctx.group_timeout_s)
+            self._collective.form(ctx.generation)
+        if self._membership is not None:
             self._membership.join(self._record(), ctx.lease_ttl_s)
             self._heartbeat = threading.Thread(target=self._beat, name="phalanx-heartbeat",
                                                daemon=True)
             self._heartbeat.start()
-        if ctx.keeper_port:
-            self._start_snapshots()
         self._started = True
         return self
 
@@ -108,8 +123,8 @@ class Session:
             obj.register_step_pre_hook(lambda *_: snapshotter.wait_for_copy())
 
     def close(self) -> None:
-        """Publish the last snapshot, leave membership and stop the heartbeat; the group is
-        dropped with the process."""
+        """Publish the last snapshot, leave membership and stop the heartbeat; groups are
+        dropped with the process (never destroyed: that can block on a dead peer)."""
         self._stop.set()
         if self._snapshotter is not None:
             self._snapshotter.close()
@@ -120,6 +135,9 @@ class Session:
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=self.context.heartbeat_s * 4)
             self._heartbeat = None
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
         if self._membership is not None:
             try:
                 self._membership.update(self._record(state="finished"))
@@ -127,8 +145,6 @@ class Session:
                 log.warning("event=final_progress_lost rank=%d error=%s", self.rank, exc)
             self._membership.close()
             self._membership = None
-        self._group = None
-        self._store = None
         self._started = False
 
     def __enter__(self) -> "Session":
@@ -153,7 +169,12 @@ class Session:
 
     @property
     def group(self) -> dist.ProcessGroup | None:
-        return self._group
+        return None if self._collective is None else self._collective.group
+
+    @property
+    def snapshot_stats(self) -> Any:
+        """Counters of the snapshotter (captures, last stall, interval), or None."""
+        return None if self._snapshotter is None else self._snapshotter.stats
 
     # -- state and steps ---------------------------------------------------------------
     def register(self, **objects: Any) -> None:
@@ -167,43 +188,88 @@ class Session:
 
     @contextmanager
     def step(self) -> Iterator[int]:
-        """Wrap one training step; yields the step index being run."""
+        """Wrap one training step; yields the step index being run. A collective failure in
+        the step is recovered from here (the step's effects are rolled back)."""
         if not self._started:
             self.start()
-        started = time.perf_counter()
-        yield self._progress.step_index
-        self._progress.step_index += 1
         snapshotter = self._snapshotter
+        if snapshotter is not None and not snapshotter.has_captured:
+            snapshotter.capture(self._progress.step_index, self._objects)  # the initial state
+        started = time.perf_counter()
+        try:
+            yield self._progress.step_index
+        except CollectiveAborted as exc:
+            self._recover(str(exc))
+            return
+        self._progress.step_index += 1
         if snapshotter is not None:
             snapshotter.observe_step(time.perf_counter() - started)
             if snapshotter.due(self._progress.step_index):
                 snapshotter.capture(self._progress.step_index, self._objects)
 
-    @property
-    def snapshot_stats(self) -> Any:
-        """Counters of the snapshotter (captures, last stall, interval), or None."""
-        return None if self._snapshotter is None else self._snapshotter.stats
-
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` in place over every rank of the current generation."""
-        return all_reduce(self._group, tensor)
+        """Sum ``tensor`` in place over every rank of the current generation; raises
+        ``CollectiveAborted`` (handled by ``step()``) when a peer fails."""
+        if self._collective is None:
+            return tensor
+        watcher = self._watcher
+        generation = self.generation
+        return self._collective.all_reduce(
+            tensor, lambda: watcher is not None and watcher.newer_than(generation))
+
+    # -- recovery ----------------------------------------------------------------------
+    def _recover(self, reason: str) -> None:
+        """Wait for the next generation's plan, roll back to its restore step, re-form."""
+        started = time.perf_counter()
+        log.warning("event=collective_aborted rank=%d generation=%d reason=%r", self.rank,
+                    self.generation, reason)
+        assert self._collective is not None and self._watcher is not None
+        self._collective.abandon()
+        if self._snapshotter is not None:
+            try:
+                self._snapshotter.flush()
+            except Exception as exc:  # a publish cut short by the fault; the plan decides
+                log.warning("event=snapshot_flush_failed rank=%d error=%r", self.rank, exc)
+        plan = self._watcher.wait_plan(self.generation, PLAN_TIMEOUT_S)
+        assignment = plan.ranks.get(self.rank)
+        if assignment is None or assignment.worker != self.context.worker_id:
+            raise Fenced(f"rank {self.rank} of generation {plan.generation} belongs to "
+                         f"{assignment.worker if assignment else 'nobody'}, not "
+                         f"{self.context.worker_id}")
+        self._apply_restore(plan.restore_step, assignment.sources, plan.generation)
+        self._collective.form(plan.generation, world_size=plan.world_size)
+        self.generation = plan.generation
+        self.recoveries += 1
+        log.warning("event=rank_rejoined rank=%d generation=%d restore_step=%d seconds=%.3f",
+                    self.rank, plan.generation, plan.restore_step, time.perf_counter() - started)
+
+    def _apply_restore(self, step: int, sources: Any, generation: int) -> None:
+        ctx = self.context
+        restore_rank(self._objects, ctx.rank, step, sources, job=ctx.job, secret=ctx.secret,
+                     timeout_s=ctx.group_timeout_s, generation=generation)
+        self.generation = generation
+        if self._snapshotter is not None:
+            self._snapshotter.set_generation(generation)
+            self._snapshotter.rewind(step)
+        if self._keeper is not None:
+            self._keeper.drop(ctx.rank, above_step=step)
 
     # -- progress ----------------------------------------------------------------------
     def _record(self, state: str = "running") -> MemberRecord:
         ctx = self.context
         return MemberRecord(worker_id=ctx.worker_id, rank=ctx.rank, node=ctx.node,
-                            step=self._progress.step_index, generation=ctx.generation,
-                            pid=os.getpid(),
-                            extra={"state": state, "time": time.time()})
+                            step=self._progress.step_index, generation=self.generation,
+                            pid=os.getpid(), extra={"state": state, "time": time.time()})
 
     def _beat(self) -> None:
         """Heartbeat thread: refresh our member record (progress) every heartbeat."""
         assert self._membership is not None
-        last_step = None
+        last = None
         while not self._stop.wait(self.context.heartbeat_s):
-            if self._progress.step_index == last_step:
+            current = (self._progress.step_index, self.generation)
+            if current == last:
                 continue
-            last_step = self._progress.step_index
+            last = current
             try:
                 self._membership.update(self._record())
             except (MembershipUnavailable, LeaseLost) as exc:

@@ -100,6 +100,14 @@ class Snapshotter:
         self._generation = generation
         self._client.generation = generation
 
+    @property
+    def has_captured(self) -> bool:
+        return self._last_capture_step >= 0
+
+    def rewind(self, step: int) -> None:
+        """After a rollback to ``step``: the next capture is counted from there."""
+        self._last_capture_step = step
+
     def due(self, step: int) -> bool:
         return step - self._last_capture_step >= self._control.interval
 

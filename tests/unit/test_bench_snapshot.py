@@ -51,11 +51,13 @@ def test_quick_bench_writes_all_four_systems(tmp_path: Path) -> None:
                                       "throughput_vs_limit_min"}
     assert report["notes"] and isinstance(report["warnings"], list)
     assert positive(report["machine"]["cpus"])
+    assert all(positive(report["checksum_gbps_one_core"][a]) for a in ("sha256", "crc32"))
     if report["png"] is not None:
         assert Path(report["png"]).stat().st_size > 0
 
     [result] = report["results"]
     assert result["size_mib"] == 16 and result["tensors"] >= 8
+    assert result["checksum_algos"] == ["sha256", "crc32"]
     assert 15 << 20 <= result["bytes"] <= 17 << 20
 
     assert result["limit"]["kind"] == "memcpy" and positive(result["limit"]["gbps"])

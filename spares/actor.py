@@ -1,4 +1,5 @@
-"""The worker actor: one Ray actor per rank (and per warm spare) that runs the training
+"""The worker actor: one Ray actor per rank and per warm spare (a spare is a worker that has
+already imported torch and the entrypoint and waits for ``run``). It runs the training
 entrypoint with a torchrun-compatible environment and reports its result or traceback."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import ray
 
 from configs.errors import WorkerFailed
-from launcher.entrypoint import load_entrypoint
+from runtime.entrypoint import load_entrypoint
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +24,14 @@ class WorkerActor:
     Called from the launcher's thread through Ray; only plain values cross that boundary.
     """
 
-    def __init__(self, entrypoint: str, torch_threads: int) -> None:
+    def __init__(self, entrypoint: str, torch_threads: int, warmup: str = "") -> None:
         os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         import torch  # warm-up: the import is most of a fresh worker's start-up time
 
         torch.set_num_threads(torch_threads)
         self._entry = load_entrypoint(entrypoint)
+        if warmup:
+            load_entrypoint(warmup)()  # the user's optional spares.warmup hook
         self._rank = -1
 
     def ping(self) -> dict[str, Any]:
@@ -43,6 +46,8 @@ class WorkerActor:
         self._rank = int(env["RANK"])
         os.environ.update(env)
         _redirect_output(log_path)
+        logging.basicConfig(level=logging.INFO, force=True,
+                            format="%(asctime)s %(name)s %(message)s")
         try:
             result = self._entry(**args)
         except BaseException as exc:  # process boundary: the traceback becomes the report

@@ -1,0 +1,281 @@
+"""The recovery coordinator's executor: turns classified faults into a plan (pure planner),
+then acts on it: fence the generation in etcd, publish the worker-facing plan, promote
+spares or start fresh workers, kill hung ranks, and time every phase until the first step
+of the new generation completes."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import ray
+
+from configs.errors import PlanInfeasible
+from configs.schema import PhalanxConfig
+from launcher.events import EventLog
+from launcher.keeper_actor import node_name
+from recovery.base import (Abort, FaultKind, FaultReport, PromoteSpare, RecoveryPlan,
+                           ReplicaMap, RestartWorker, RestoreFromKeeper, RestoreFromTier,
+                           Rollback, SpareInventory, TierInventory, WaitForCapacity, WorldView)
+from recovery.phases import Phase, PhaseMachine
+from recovery.planner import RecoveryPolicy, plan_recovery
+from runtime.base import MemberRecord, Membership
+from runtime.commit import KeeperReport, committed_step, holders_of
+from runtime.generation import GENERATION_KEY, GenerationPlan, RankAssignment, plan_key
+from runtime.keeper_reporter import report_from_keeper
+from spares.pool import SparePool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankSlot:
+    """Who runs a rank now: its worker id, node, Ray actor and the ref of its ``run``."""
+
+    rank: int
+    worker_id: str
+    node: int
+    actor: Any
+    ref: Any = None
+    pid: int = 0
+
+
+@dataclass
+class Recovery:
+    """One recovery in flight, for timing and reporting."""
+
+    generation: int
+    restore_step: int
+    fault_at: float
+    root: FaultReport
+    phases: dict[str, float] = field(default_factory=dict)
+    plan_reason: str = ""
+
+
+Launch = Callable[[RankSlot, int, dict | None], Any]
+
+
+class RecoveryCoordinator:
+    """Owned by the launcher's main thread."""
+
+    def __init__(self, cfg: PhalanxConfig, membership: Membership, keepers: dict[int, tuple[Any, tuple[str, int]]],
+                 pool: SparePool | None, launch: Launch, events: EventLog,
+                 tier_root: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.membership = membership
+        self.keepers = keepers
+        self.pool = pool
+        self.launch = launch
+        self.events = events
+        self.tier_root = tier_root
+        self.clock = clock
+        self.phases = PhaseMachine(clock)
+        self.generation = 0
+        self.recoveries = 0
+        self.live_nodes: set[int] = set(range(cfg.job.nodes))
+        self.pending: Recovery | None = None
+        self.history: list[dict[str, Any]] = []
+
+    def fence_initial(self) -> None:
+        if not self.membership.compare_and_swap(GENERATION_KEY, 0, b"0"):
+            raise PlanInfeasible("generation key already exists: another launcher runs this job")
+
+    # -- the recovery ------------------------------------------------------------------
+    def recover(self, faults: Sequence[FaultReport], slots: dict[int, RankSlot]) -> None:
+        """Plan and execute one recovery; raises ``PlanInfeasible`` when the plan aborts."""
+        root = min(faults, key=lambda f: f.observed_at)
+        for fault in faults:
+            self.events.emit("fault", kind=fault.kind.value, ranks=list(fault.ranks),
+                             node=fault.node, evidence=fault.evidence)
+            if fault.kind is FaultKind.NODE_DIED and fault.node:
+                self._forget_node(fault.node)
+        self.phases.transition(Phase.DETECTING, root.evidence[:80])
+        detect_s = max(0.0, self.clock() - root.observed_at)
+        self.phases.transition(Phase.PLANNING, "faults classified")
+        reports = self._fresh_reports()
+        world = self._world(slots, reports)
+        plan = plan_recovery(faults, world, self._replicas(reports), self._tiers(),
+                             self._spares(), RecoveryPolicy.from_config(
+                                 self.cfg.spares, self.cfg.recovery, self.recoveries), time.time())
+        self.events.emit("plan", generation=plan.generation, restore_step=plan.restore_step,
+                         actions=[type(a).__name__ for a in plan.actions], reason=plan.reason)
+        if plan.aborted or plan.waiting:
+            self.phases.transition(Phase.FAILED, plan.reason)
+            raise PlanInfeasible(plan.reason)
+        plan_s = self.phases.history[-1].duration_s if self.phases.history else 0.0
+        self.phases.transition(Phase.FENCING, f"generation {plan.generation}")
+        self._fence(plan, reports, slots)
+        self.phases.transition(Phase.PROMOTING, "plan published")
+        self._promote(plan, slots, faults)
+        self.phases.transition(Phase.RESTORING, "workers started")
+        self.recoveries += 1
+        self.pending = Recovery(plan.generation, plan.restore_step, root.observed_at, root,
+                                {"detect": detect_s, "plan": plan_s}, plan.reason)
+
+    def _world(self, slots: dict[int, RankSlot], reports: Mapping[str, KeeperReport]) -> WorldView:
+        ranks = sorted(slots)
+        return WorldView(
+            generation=self.generation, world_size=self.cfg.job.world_size,
+            rank_workers={r: slots[r].worker_id for r in ranks},
+            worker_nodes={slots[r].worker_id: node_name(slots[r].node) for r in ranks},
+            live_nodes=frozenset(node_name(n) for n in self.live_nodes),
+            committed_step=committed_step(reports, ranks, 0))
+
+    def _fresh_reports(self) -> dict[str, KeeperReport]:
+        """What every live keeper holds right now (etcd reports may be a heartbeat old)."""
+        live = {n: self.keepers[n] for n in self.live_nodes if n in self.keepers}
+        refs = {n: (actor.holdings.remote(), actor.stats.remote()) for n, (actor, _) in live.items()}
+        reports = {}
+        for node, (holdings_ref, stats_ref) in refs.items():
+            try:
+                holdings, stats = ray.get([holdings_ref, stats_ref], timeout=10)
+            except Exception as exc:  # a keeper that does not answer holds nothing usable
+                self.events.emit("keeper_unreachable", node=node_name(node), error=repr(exc))
+                continue
+            reports[node_name(node)] = report_from_keeper(node_name(node), live[node][1],
+                                                          holdings, stats, self.generation)
+        return reports
+
+    @staticmethod
+    def _replicas(reports: Mapping[str, KeeperReport]) -> ReplicaMap:
+        holdings: dict[int, dict[str, set[int]]] = {}
+        for node, report in reports.items():
+            for source in (report.local, report.replicas):
+                for rank, steps in source.items():
+                    holdings.setdefault(rank, {}).setdefault(node, set()).update(steps)
+        return ReplicaMap.of(holdings)
+
+    def _tiers(self) -> TierInventory:
+        from launcher.keeper_actor import build_tiers
+
+        steps = {}
+        for tier, _, _ in build_tiers(self.cfg, self.tier_root):
+            try:
+                steps[tier.name] = tuple(tier.committed_steps())
+            except Exception as exc:  # an unreachable tier offers no checkpoint
+                self.events.emit("tier_unreachable", tier=tier.name, error=repr(exc))
+        return TierInventory(steps)
+
+    def _spares(self) -> SpareInventory:
+        if self.pool is None:
+            return SpareInventory({})
+        return SpareInventory({s: node_name(n) for s, n in self.pool.inventory(self.live_nodes).items()})
+
+    def _forget_node(self, node: str) -> None:
+        index = int(node.removeprefix("node"))
+        self.live_nodes.discard(index)
+        if self.pool is not None:
+            self.pool.forget_node(index)
+
+    # -- acting on the plan ------------------------------------------------------------
+    def _fence(self, plan: RecoveryPlan, reports: Mapping[str, KeeperReport],
+               slots: dict[int, RankSlot]) -> None:
+        """Publish plan/<g>, then move ``generation`` by compare-and-swap (the fence)."""
+        worker_plan = self.worker_plan(plan, reports)
+        self.membership.put(plan_key(plan.generation), worker_plan.to_json())
+        current = self.membership.get(GENERATION_KEY)
+        expected = current.mod_revision if current is not None else 0
+        if current is not None and int(current.value) != self.generation:
+            raise PlanInfeasible(f"generation moved to {int(current.value)} under us: "
+                                 "another coordinator is active")
+        if not self.membership.compare_and_swap(GENERATION_KEY, expected,
+                                                str(plan.generation).encode()):
+            raise PlanInfeasible("lost the generation compare-and-swap: another coordinator")
+        self.generation = plan.generation
+        self._current_plan = worker_plan
+
+    def worker_plan(self, plan: RecoveryPlan, reports: Mapping[str, KeeperReport]) -> GenerationPlan:
+        """The worker-facing plan: per rank its worker and restore sources in ladder order."""
+        chosen: dict[int, dict[str, Any]] = {}
+        for action in plan.actions:
+            match action:
+                case RestoreFromKeeper(rank=rank, node=node):
+                    chosen[rank] = self._keeper_source(str(node))
+                case RestoreFromTier(rank=rank, tier=tier):
+                    chosen[rank] = self._tier_source(tier)
+                case PromoteSpare() | RestartWorker() | Rollback() | WaitForCapacity() | Abort():
+                    pass
+        ranks = {}
+        for rank, worker in plan.rank_workers.items():
+            sources = [chosen[rank]] if rank in chosen else []
+            for node in holders_of(reports, rank, plan.restore_step):
+                source = self._keeper_source(node)
+                if source not in sources:
+                    sources.append(source)
+            for tier in ("disk", "s3"):
+                source = self._tier_source(tier)
+                if source is not None and source not in sources:
+                    sources.append(source)
+            ranks[int(rank)] = RankAssignment(str(worker), tuple(s for s in sources if s))
+        return GenerationPlan(plan.generation, self.cfg.job.world_size, plan.restore_step,
+                              ranks, plan.reason)
+
+    def _keeper_source(self, node: str) -> dict[str, Any]:
+        index = int(node.removeprefix("node"))
+        host, port = self.keepers[index][1]
+        return {"kind": "keeper", "node": node, "host": host, "port": int(port)}
+
+    def _tier_source(self, tier: str) -> dict[str, Any] | None:
+        if tier == "disk" and self.cfg.tiers.disk.enabled:
+            from pathlib import Path
+
+            return {"kind": "tier", "tier": "disk",
+                    "path": self.cfg.tiers.disk.path or str(Path(self.tier_root))}
+        if tier == "s3" and self.cfg.tiers.s3.enabled:
+            from dataclasses import asdict
+
+            return {"kind": "tier", "tier": "s3", "config": asdict(self.cfg.tiers.s3)}
+        return None
+
+    def _promote(self, plan: RecoveryPlan, slots: dict[int, RankSlot],
+                 faults: Sequence[FaultReport]) -> None:
+        stalled = {r for f in faults if f.kind is FaultKind.STALLED for r in f.ranks}
+        for rank in stalled:  # a hung rank must die so its peers' collectives fail fast
+            with contextlib.suppress(Exception):
+                ray.kill(slots[rank].actor, no_restart=True)
+        restore = {"step": plan.restore_step}
+        worker_plan = self._current_plan
+        for action in plan.actions:
+            match action:
+                case PromoteSpare(spare=spare_id, rank=rank, node=node):
+                    assert self.pool is not None
+                    spare = self.pool.take(str(spare_id))
+                    slot = RankSlot(rank, str(spare_id), spare.node, spare.actor)
+                case RestartWorker(rank=rank, node=node):
+                    slot = RankSlot(rank, str(plan.rank_workers[rank]),
+                                    int(str(node).removeprefix("node")), None)
+                case _:
+                    continue
+            sources = list(worker_plan.ranks[rank].sources)
+            slot.ref = self.launch(slot, plan.generation, {**restore, "sources": sources})
+            slots[rank] = slot
+            self.events.emit("promoted", rank=rank, worker=slot.worker_id,
+                             node=node_name(slot.node), generation=plan.generation)
+
+    # -- resuming ----------------------------------------------------------------------
+    def check_resumed(self, members: Mapping[str, MemberRecord]) -> dict[str, Any] | None:
+        """When every rank has finished a step in the new generation: the recovery record."""
+        pending = self.pending
+        if pending is None:
+            return None
+        ranks = [m for m in members.values() if m.rank >= 0 and m.generation == pending.generation
+                 and m.step > pending.restore_step]
+        if len({m.rank for m in ranks}) < self.cfg.job.world_size:
+            return None
+        if self.phases.phase is Phase.RESTORING:
+            self.phases.transition(Phase.RESUMING, "ranks rejoined")
+        self.phases.transition(Phase.STEADY, f"generation {pending.generation} stepping")
+        total = time.monotonic() - pending.fault_at
+        record = {"generation": pending.generation, "restore_step": pending.restore_step,
+                  "fault": pending.root.kind.value, "ranks": list(pending.root.ranks),
+                  "fault_to_first_step_s": round(total, 3),
+                  "phases_s": {**pending.phases, **self.phases.timings()},
+                  "reason": pending.plan_reason}
+        self.history.append(record)
+        self.events.emit("recovered", **record)
+        self.pending = None
+        if self.pool is not None:  # refilled after the recovery, not competing with it
+            self.pool.refill(sorted(self.live_nodes))
+        return record

@@ -1,0 +1,103 @@
+"""Turns what the launcher observes each poll into detection signals: finished or failed
+worker calls (Ray), vanished member leases (etcd), dead Ray nodes, and progress samples."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from configs.errors import WorkerFailed
+from launcher.coordinator import RankSlot
+from launcher.keeper_actor import node_name
+from launcher.ray_cluster import node_resource
+from recovery.detection import ActorDied, LeaseLost, NodeLost, Progress, Signal
+from runtime.base import MemberRecord
+
+log = logging.getLogger(__name__)
+FINISH_GRACE_S = 0.5
+
+
+@dataclass
+class PollResult:
+    signals: list[Signal] = field(default_factory=list)
+    finished: dict[int, Any] = field(default_factory=dict)
+    progress: list[Progress] = field(default_factory=list)
+
+
+class Monitor:
+    """Owned by the launcher's main thread."""
+
+    def __init__(self, nodes: int, node_check_s: float = 0.25) -> None:
+        self._nodes = nodes
+        self._node_check_s = node_check_s
+        self._last_node_check = 0.0
+        self._seen: dict[str, MemberRecord] = {}
+        self._dead_nodes: set[int] = set()
+
+    def poll(self, slots: Mapping[int, RankSlot], done_ranks: set[int],
+             members: Mapping[str, MemberRecord], timeout_s: float) -> PollResult:
+        result = PollResult()
+        active = {slot.ref: slot for rank, slot in slots.items()
+                  if rank not in done_ranks and slot.ref is not None}
+        ready, _ = ray.wait(list(active), num_returns=len(active), timeout=timeout_s) \
+            if active else ([], [])
+        now = time.monotonic()
+        for ref in ready:
+            slot = active[ref]
+            try:
+                result.finished[slot.rank] = ray.get(ref)
+            except RayTaskError as exc:
+                raise _worker_error(exc, slot.rank) from None
+            except RayActorError as exc:
+                result.signals.append(ActorDied(slot.worker_id, now, str(exc).splitlines()[0]))
+        self._lease_signals(slots, done_ranks | set(result.finished), members, now, result)
+        self._node_signals(now, result)
+        for record in members.values():
+            if record.rank >= 0 and slots.get(record.rank) and \
+                    slots[record.rank].worker_id == record.worker_id:
+                result.progress.append(Progress(record.rank, record.step, now))
+        return result
+
+    def _lease_signals(self, slots: Mapping[int, RankSlot], done: set[int],
+                       members: Mapping[str, MemberRecord], now: float, result: PollResult) -> None:
+        """A worker whose member key vanished while its call still runs lost its lease (a
+        frozen or partitioned process); a finishing worker's call completes within the grace."""
+        current = {slot.worker_id: slot for rank, slot in slots.items() if rank not in done}
+        for worker_id, record in list(self._seen.items()):
+            slot = current.get(worker_id)
+            if worker_id in members or slot is None:
+                continue
+            ready, _ = ray.wait([slot.ref], timeout=FINISH_GRACE_S)
+            if not ready:
+                result.signals.append(LeaseLost(worker_id, now))
+            del self._seen[worker_id]
+        self._seen.update({w: r for w, r in members.items() if w in current})
+
+    def _node_signals(self, now: float, result: PollResult) -> None:
+        if now - self._last_node_check < self._node_check_s:
+            return
+        self._last_node_check = now
+        alive = set()
+        for node in ray.nodes():
+            if node.get("Alive"):
+                for index in range(self._nodes):
+                    if node_resource(index) in node.get("Resources", {}):
+                        alive.add(index)
+        for index in range(self._nodes):
+            if index not in alive and index not in self._dead_nodes:
+                self._dead_nodes.add(index)
+                result.signals.append(NodeLost(node_name(index), now))
+
+    def forget(self, worker_id: str) -> None:
+        self._seen.pop(worker_id, None)
+
+
+def _worker_error(exc: RayTaskError, rank: int) -> WorkerFailed:
+    cause = exc.cause if isinstance(exc.cause, BaseException) else None
+    if isinstance(cause, WorkerFailed):
+        return cause
+    return WorkerFailed(rank, str(exc).splitlines()[0], str(exc))

@@ -1,0 +1,94 @@
+"""The warm spare pool: ``spares.count`` worker actors spread over the nodes, each already
+past the expensive start-up (torch and the entrypoint imported, the warm-up hook run), so a
+lost rank is taken over in milliseconds instead of seconds. Refilled after each promotion."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ray
+
+from spares.actor import WorkerActor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Spare:
+    spare_id: str
+    node: int
+    actor: Any
+    ready: Any  # ObjectRef of the warm-up ping
+
+
+class SparePool:
+    """Owned by the launcher's main thread. ``take`` hands out a warm spare; ``refill``
+    starts replacements on the nodes that are still alive."""
+
+    def __init__(self, count: int, entrypoint: str, torch_threads: int, warmup: str,
+                 cpus: float, node_resource: Callable[[int], str], job: str) -> None:
+        self._count = count
+        self._entrypoint = entrypoint
+        self._threads = torch_threads
+        self._warmup = warmup
+        self._cpus = cpus
+        self._node_resource = node_resource
+        self._job = job
+        self._spares: dict[str, Spare] = {}
+        self._serial = 0
+
+    def start(self, nodes: list[int]) -> "SparePool":
+        for index in range(self._count):
+            self._add(nodes[index % len(nodes)])
+        return self
+
+    def _add(self, node: int) -> Spare:
+        spare_id = f"spare{self._serial}"
+        self._serial += 1
+        actor = WorkerActor.options(
+            num_cpus=self._cpus, resources={self._node_resource(node): 1},
+            name=f"{self._job}-{spare_id}").remote(self._entrypoint, self._threads, self._warmup)
+        spare = Spare(spare_id, node, actor, actor.ping.remote())
+        self._spares[spare_id] = spare
+        log.info("event=spare_started spare=%s node=%d", spare_id, node)
+        return spare
+
+    def inventory(self, live_nodes: set[int]) -> dict[str, int]:
+        """spare id → node of every spare that is warm and on a live node."""
+        ready = {s.spare_id: s.node for s in self._spares.values() if s.node in live_nodes}
+        refs = {self._spares[i].ready: i for i in ready}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])
+        warm = {refs[ref] for ref in done}
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # a spare that died while idle is dropped from the pool
+                warm.discard(refs[ref])
+                self._spares.pop(refs[ref], None)
+        return {spare_id: node for spare_id, node in ready.items() if spare_id in warm}
+
+    def take(self, spare_id: str) -> Spare:
+        return self._spares.pop(spare_id)
+
+    def refill(self, live_nodes: list[int]) -> None:
+        """Start spares until the pool is full again, on the least-used live nodes."""
+        if not live_nodes:
+            return
+        while len(self._spares) < self._count:
+            used = {node: 0 for node in live_nodes}
+            for spare in self._spares.values():
+                if spare.node in used:
+                    used[spare.node] += 1
+            self._add(min(live_nodes, key=lambda n: (used[n], n)))
+
+    def forget_node(self, node: int) -> None:
+        for spare_id in [i for i, s in self._spares.items() if s.node == node]:
+            self._spares.pop(spare_id)
+
+    def close(self) -> None:
+        for spare in self._spares.values():
+            with contextlib.suppress(Exception):  # teardown: the actor may already be gone
+                ray.kill(spare.actor, no_restart=True)
+        self._spares.clear()

@@ -1,0 +1,338 @@
+"""Replication between three in-process keepers over real TCP and real /dev/shm: a ring
+of holders, dedup of identical tensors, a chunk corrupted in flight, a slow and a frozen
+holder, and generation fencing. Snapshots are real (runtime.snapshot_format)."""
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import socket
+import threading
+import time
+from typing import Callable
+
+import pytest
+import torch
+
+from runtime import replica_receiver, replica_wire
+from runtime.keeper import Keeper, KeeperClient, owned_names
+from runtime.replication import Replicator
+from runtime.snapshot_format import (Manifest, checksums, make_manifest, plan_layout,
+                                     read_tensors, write_into)
+
+SECRET = b"replication-test-secret-0123456789"
+SHM = "/dev/shm"
+_names = itertools.count()
+
+
+class _Worker:
+    """A training process's side: claims a slot, writes a signed snapshot, publishes."""
+
+    def __init__(self, keeper: Keeper, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.keeper, self.rank, self.tensors = keeper, rank, tensors
+        self.layout = plan_layout(tensors)
+        self.maps: dict[str, mmap.mmap] = {}
+        for path in keeper.alloc(rank, self.layout.total_bytes):
+            fd = os.open(path, os.O_RDWR)
+            self.maps[path] = mmap.mmap(fd, self.layout.total_bytes)
+            os.close(fd)
+
+    def publish(self, step: int, generation: int = 1, keep: bool = False) -> bytes | None:
+        """Snapshot ``tensors`` as ``step``; with ``keep``, returns a copy of the payload."""
+        slot, path = self.keeper.claim(self.rank)
+        buf = self.maps[path]
+        write_into(buf, self.layout, self.tensors)
+        manifest = make_manifest(self.layout, checksums(buf, self.layout), job=self.keeper.job,
+                                 rank=self.rank, step=step, generation=generation,
+                                 tree_spec={}, created_at=time.time()).sign(SECRET)
+        self.keeper.publish(self.rank, step, slot, manifest.to_json(), self.layout.total_bytes)
+        return bytes(buf[:self.layout.total_bytes]) if keep else None
+
+    def close(self) -> None:
+        for mm in self.maps.values():
+            mm.close()
+
+
+class _Events:
+    """on_event sink with waiting."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, event: dict) -> None:
+        with self._cond:
+            self.items.append(event)
+            self._cond.notify_all()
+
+    def wait(self, match: Callable[[dict], bool], timeout: float = 10.0) -> dict:
+        with self._cond:
+            assert self._cond.wait_for(lambda: any(match(e) for e in self.items), timeout), \
+                f"no matching event in {self.items}"
+            return next(e for e in self.items if match(e))
+
+    def of(self, kind: str, **fields: object) -> list[dict]:
+        with self._cond:
+            return [e for e in self.items if e["event"] == kind
+                    and all(e.get(k) == v for k, v in fields.items())]
+
+
+def _tensors(seed: int, sizes: tuple[int, ...] = (65536, 16384, 4096)) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"p{i}": torch.randn(n, generator=gen) for i, n in enumerate(sizes)}
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def fence():
+    return {"generation": 1}
+
+
+@pytest.fixture
+def keepers(fence):
+    """Keepers of nodes a, b, c of one job; checks that close() leaves no shm file."""
+    job = f"rp{os.getpid()}-{next(_names)}"
+    started = {}
+    try:
+        for node in "abc":
+            started[node] = Keeper(node, job, SECRET, SHM, slots=2, claim_wait_s=5.0,
+                                   generation_check=lambda g: g >= fence["generation"]).start()
+        yield started
+    finally:
+        for k in started.values():
+            k.close()
+        for k in started.values():
+            assert owned_names(SHM, k.prefix) == [], f"keeper {k.node} left shm files"
+
+
+@pytest.fixture
+def cleanup():
+    """Close what a test opened (replicators first, then workers), in reverse order."""
+    items: list = []
+    yield items.append
+    for item in reversed(items):
+        item.close()
+
+
+def _replicator(keepers: dict[str, Keeper], node: str, cleanup, **kwargs) -> Replicator:
+    rep = Replicator(keepers[node], node, secret=SECRET, job=keepers[node].job,
+                     **{"poll_s": 0.01, "timeout_s": 5.0, **kwargs})
+    cleanup(rep)
+    return rep
+
+
+def _addresses(keepers: dict[str, Keeper]) -> dict[str, tuple[str, int]]:
+    return {node: k.address for node, k in keepers.items()}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_ring_replicates_identical_verified_bytes(keepers, cleanup):
+    ranks = {"a": 0, "b": 1, "c": 2}
+    holder = {"a": "b", "b": "c", "c": "a"}
+    workers, events, reps = {}, _Events(), {}
+    for node, rank in ranks.items():
+        workers[node] = _Worker(keepers[node], rank, _tensors(rank))
+        cleanup(workers[node])
+    for node, rank in ranks.items():
+        reps[node] = _replicator(keepers, node, cleanup, on_event=events)
+        reps[node].set_targets(1, {rank: [holder[node]]}, _addresses(keepers))
+        reps[node].start()
+    payloads = {}
+    for step in (1, 2):
+        for node, rank in ranks.items():
+            workers[node].tensors["p0"][0] = float(step)
+            payloads[rank, step] = workers[node].publish(step, keep=True)
+        for node, rank in ranks.items():
+            _wait(lambda: step in reps[node].replicated_steps(rank))
+    for node, rank in ranks.items():
+        assert reps[node].replicated() == {rank: {holder[node]: [1, 2]}}
+        target = keepers[holder[node]]
+        with KeeperClient(*target.address, SECRET, target.job, generation=1) as client:
+            for step in (1, 2):
+                got_step, raw_manifest, payload = client.get(rank, step)
+                assert got_step == step and bytes(payload) == payloads[rank, step]
+                manifest = Manifest.from_json(raw_manifest)
+                manifest.verify(SECRET)
+                got = read_tensors(payload, verify_against=manifest)
+                assert torch.equal(got["p1"], workers[node].tensors["p1"])
+        assert target.holdings()[rank]["replica"] == [1, 2]
+    pushed = events.of("replica_pushed")
+    assert {(e["rank"], e["step"], e["target"]) for e in pushed} == \
+        {(r, s, holder[n]) for n, r in ranks.items() for s in (1, 2)}
+    assert not events.of("replica_failed")
+    # Step 2 changed p0 only: p1 and p2 came from the holder's copy of step 1.
+    second = [e for e in pushed if e["step"] == 2]
+    assert all(e["bytes_saved"] == (16384 + 4096) * 4 for e in second), second
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_identical_ranks_are_not_sent_twice(keepers, cleanup):
+    tensors = _tensors(7)
+    first, second = _Worker(keepers["a"], 0, tensors), _Worker(keepers["a"], 1, tensors)
+    cleanup(first)
+    cleanup(second)
+    events = _Events()
+    rep = _replicator(keepers, "a", cleanup, on_event=events)
+    rep.set_targets(1, {0: ["b"], 1: ["b"]}, _addresses(keepers))
+    rep.start()
+    first.publish(1)
+    full = events.wait(lambda e: e.get("rank") == 0)
+    original = second.publish(1, keep=True)
+    dedup = events.wait(lambda e: e.get("rank") == 1)
+    tensor_bytes = sum(t.numel() * 4 for t in tensors.values())
+    assert full["event"] == dedup["event"] == "replica_pushed"
+    assert full["bytes_saved"] == 0 and full["bytes_sent"] > tensor_bytes
+    assert dedup["bytes_saved"] == tensor_bytes
+    assert dedup["bytes_sent"] < full["bytes_sent"] - tensor_bytes + 256
+    assert rep.stats()["bytes_saved"] == tensor_bytes
+    with KeeperClient(*keepers["b"].address, SECRET, keepers["b"].job, generation=1) as client:
+        _, raw_manifest, payload = client.get(1, 1)
+    assert bytes(payload) == original
+    read_tensors(payload, verify_against=Manifest.from_json(raw_manifest))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_chunk_corrupted_in_flight_is_refused_then_a_clean_push_lands(keepers, cleanup,
+                                                                      monkeypatch):
+    worker = _Worker(keepers["a"], 0, _tensors(3))
+    cleanup(worker)
+    events, corrupt = _Events(), threading.Event()
+    corrupt.set()
+    send = replica_wire.send_chunk
+
+    def flip_after_digest(sock, windows, digest):
+        if corrupt.is_set():
+            bad = bytearray(windows[-1])
+            bad[len(bad) // 2] ^= 0x40
+            windows = [*windows[:-1], memoryview(bad)]
+        send(sock, windows, digest)
+
+    monkeypatch.setattr(replica_wire, "send_chunk", flip_after_digest)
+    rep = _replicator(keepers, "a", cleanup, on_event=events, chunk_bytes=64 << 10,
+                      max_backoff_s=0.2)
+    rep.set_targets(1, {0: ["b"]}, _addresses(keepers))
+    rep.start()
+    original = worker.publish(1, keep=True)
+    failed = events.wait(lambda e: e["event"] == "replica_failed")
+    assert failed["step"] == 1 and failed["target"] == "b" and not failed["preempted"]
+    assert "SnapshotCorrupt" in failed["error"] and "digest" in failed["error"]
+    assert keepers["b"].holdings() == {} and rep.replicated_steps(0) == set()
+    corrupt.clear()
+    pushed = events.wait(lambda e: e["event"] == "replica_pushed")
+    assert pushed["step"] == 1 and rep.replicated_steps(0) == {1}
+    with KeeperClient(*keepers["b"].address, SECRET, keepers["b"].job, generation=1) as client:
+        assert bytes(client.get(0, 1)[2]) == original
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_slow_holder_skips_intermediate_steps_and_never_blocks_publish(keepers, cleanup,
+                                                                        monkeypatch):
+    receive = replica_receiver.receive_chunk
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        receive(*args, **kwargs)
+
+    monkeypatch.setattr(replica_receiver, "receive_chunk", slow)
+    in_flight, most = [0], [0]
+    push = replica_wire.ReplicaLink.push
+
+    def counted(self, *args, **kwargs):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        try:
+            return push(self, *args, **kwargs)
+        finally:
+            in_flight[0] -= 1
+
+    monkeypatch.setattr(replica_wire.ReplicaLink, "push", counted)
+    tensors = _tensors(5, (262144, 65536))  # 1.25 MiB: 20 chunks of 64 KiB, >= 1 s a push
+    worker = _Worker(keepers["a"], 0, tensors)
+    cleanup(worker)
+    events = _Events()
+    rep = _replicator(keepers, "a", cleanup, on_event=events, chunk_bytes=64 << 10)
+    rep.set_targets(1, {0: ["b"]}, _addresses(keepers))
+    rep.start()
+    worker.publish(1)  # warm up (first connection, lazy imports), then 20 steps quickly
+    _wait(lambda: rep.replicated_steps(0) == {1})
+    latencies, pins = [], []
+    for step in range(2, 22):
+        for t in tensors.values():
+            t[0] = float(step)  # every tensor changes: no push deduplicates
+        started = time.perf_counter()
+        worker.publish(step)
+        latencies.append(time.perf_counter() - started)
+        pins.append(sum(h.pins for h in keepers["a"]._local[0].slots))
+        time.sleep(0.02)
+    _wait(lambda: 21 in rep.replicated_steps(0), timeout=20)
+    pushed = [e["step"] for e in events.of("replica_pushed")][1:]
+    assert pushed == sorted(set(pushed)) and pushed[-1] == 21 and len(pushed) < 10, pushed
+    assert all(e["bytes_saved"] == 0 for e in events.of("replica_pushed"))
+    assert most[0] == 1 and max(pins) <= 1  # one push in flight, one slot pinned: no queue
+    assert max(latencies) < 0.5, latencies  # the claim preempted the push, never waited
+    assert len(rep._targets["b"].held[0]) <= keepers["b"].replica_keep
+    preempted = [e for e in events.of("replica_failed") if e["preempted"]]
+    assert preempted and not [e for e in events.of("replica_failed") if not e["preempted"]]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_frozen_holder_does_not_block_the_others(keepers, cleanup):
+    frozen = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) and never answers
+    cleanup(frozen)
+    worker = _Worker(keepers["a"], 0, _tensors(11))
+    cleanup(worker)
+    events = _Events()
+    rep = _replicator(keepers, "a", cleanup, on_event=events, timeout_s=1.5)
+    rep.set_targets(1, {0: ["z", "b", "c"]}, {**_addresses(keepers), "z": frozen.getsockname()})
+    rep.start()
+    started = time.monotonic()
+    worker.publish(1)
+    for node in "bc":
+        events.wait(lambda e: e["event"] == "replica_pushed" and e["target"] == node)
+    assert time.monotonic() - started < 1.5  # within the frozen holder's timeout
+    failed = events.wait(lambda e: e["event"] == "replica_failed", timeout=5)
+    assert failed["target"] == "z" and "PeerUnreachable" in failed["error"]
+    assert rep.replicated() == {0: {"z": [], "b": [1], "c": [1]}}
+    assert rep.replicated_steps(0) == set()
+    closing = time.monotonic()
+    rep.close()
+    assert time.monotonic() - closing < 1.0
+    assert not [t for t in threading.enumerate() if t.name.startswith("replicate-")]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_new_generation_fences_old_pushes_and_moves_targets(keepers, cleanup, fence):
+    worker = _Worker(keepers["a"], 0, _tensors(13))
+    cleanup(worker)
+    events = _Events()
+    rep = _replicator(keepers, "a", cleanup, on_event=events, max_backoff_s=0.2)
+    rep.set_targets(1, {0: ["b"]}, _addresses(keepers))
+    rep.start()
+    worker.tensors["p0"][0] = 1.0
+    worker.publish(1)
+    _wait(lambda: rep.replicated_steps(0) == {1})
+    fence["generation"] = 2  # the coordinator fenced generation 1
+    worker.tensors["p0"][0] = 2.0
+    worker.publish(2, generation=2)
+    failed = events.wait(lambda e: e["event"] == "replica_failed" and e["step"] == 2)
+    assert "StaleGeneration" in failed["error"] or "generation" in failed["error"]
+    assert keepers["b"].holdings()[0]["replica"] == [1]
+    rep.set_targets(2, {0: ["c"]}, _addresses(keepers))
+    _wait(lambda: rep.replicated_steps(0) == {2})
+    assert rep.replicated() == {0: {"c": [2]}}
+    _wait(lambda: [t.name for t in threading.enumerate() if t.name.startswith("replicate-")]
+          == ["replicate-a-to-c"])
+    assert keepers["b"].holdings()[0]["replica"] == [1]
+    assert keepers["c"].holdings()[0]["replica"] == [2]
