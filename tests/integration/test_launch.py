@@ -1,6 +1,7 @@
 """`phalanx launch` end to end: real etcd, real Ray with virtual nodes, real gloo."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -64,7 +65,10 @@ def test_world_four_on_two_nodes_leaves_nothing_behind(tmp_path: Path, footprint
     run_dir = Path(result.stdout.strip().splitlines()[-1].split(": ", 1)[1])
     assert (run_dir / "config.yaml").is_file() and (run_dir / "job.json").is_file()
     assert not (run_dir / "etcd").exists(), "embedded etcd data dir must be removed"
-    assert {p.name for p in (run_dir / "logs").iterdir()} >= {f"rank_{r}.log" for r in range(4)}
+    assert {p.name for p in (run_dir / "logs").iterdir()} >= {f"rank_{r}_w{r}-g0.log"
+                                                             for r in range(4)}
+    events = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").open()]
+    assert events[0] == "started" and events[-1] == "finished" and "fault" not in events
     assert_nothing_left(footprint)
 
 
