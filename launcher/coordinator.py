@@ -52,6 +52,9 @@ class Recovery:
     root: FaultReport
     phases: dict[str, float] = field(default_factory=dict)
     plan_reason: str = ""
+    fault_wall: float = 0.0
+    lost_steps: int = 0
+    phase_start: int = 0
 
 
 Launch = Callable[[RankSlot, int, dict | None], Any]
@@ -91,6 +94,8 @@ class RecoveryCoordinator:
                              node=fault.node, evidence=fault.evidence)
             if fault.kind is FaultKind.NODE_DIED and fault.node:
                 self._forget_node(fault.node)
+        phase_start = len(self.phases.history)
+        fault_wall = time.time() - max(0.0, self.clock() - root.observed_at)
         self.phases.transition(Phase.DETECTING, root.evidence[:80])
         detect_s = max(0.0, self.clock() - root.observed_at)
         self.phases.transition(Phase.PLANNING, "faults classified")
@@ -111,8 +116,11 @@ class RecoveryCoordinator:
         self._promote(plan, slots, faults)
         self.phases.transition(Phase.RESTORING, "workers started")
         self.recoveries += 1
+        newest = max((max(steps) for report in reports.values()
+                      for steps in report.local.values() if steps), default=plan.restore_step)
         self.pending = Recovery(plan.generation, plan.restore_step, root.observed_at, root,
-                                {"detect": detect_s, "plan": plan_s}, plan.reason)
+                                {"detect": detect_s, "plan": plan_s}, plan.reason, fault_wall,
+                                max(0, newest - plan.restore_step), phase_start)
 
     def _world(self, slots: dict[int, RankSlot], reports: Mapping[str, KeeperReport]) -> WorldView:
         ranks = sorted(slots)
@@ -231,8 +239,9 @@ class RecoveryCoordinator:
 
     def _promote(self, plan: RecoveryPlan, slots: dict[int, RankSlot],
                  faults: Sequence[FaultReport]) -> None:
-        stalled = {r for f in faults if f.kind is FaultKind.STALLED for r in f.ranks}
-        for rank in stalled:  # a hung rank must die so its peers' collectives fail fast
+        fenced = {r for f in faults if f.kind in (FaultKind.STALLED, FaultKind.LEASE_LOST,
+                                                  FaultKind.PARTITIONED) for r in f.ranks}
+        for rank in fenced:  # a hung or cut-off rank must die so it can never act again
             with contextlib.suppress(Exception):
                 ray.kill(slots[rank].actor, no_restart=True)
         restore = {"step": plan.restore_step}
@@ -260,18 +269,23 @@ class RecoveryCoordinator:
         pending = self.pending
         if pending is None:
             return None
-        ranks = [m for m in members.values() if m.rank >= 0 and m.generation == pending.generation
-                 and m.step > pending.restore_step]
-        if len({m.rank for m in ranks}) < self.cfg.job.world_size:
+        ranks = {m.rank: m for m in members.values() if m.rank >= 0
+                 and m.generation == pending.generation and m.step > pending.restore_step
+                 and float(m.extra.get("first_step_at") or 0) > 0}
+        if len(ranks) < self.cfg.job.world_size:
             return None
         if self.phases.phase is Phase.RESTORING:
             self.phases.transition(Phase.RESUMING, "ranks rejoined")
         self.phases.transition(Phase.STEADY, f"generation {pending.generation} stepping")
-        total = time.monotonic() - pending.fault_at
+        first_step = max(float(m.extra["first_step_at"]) for m in ranks.values())
+        phases = dict(pending.phases)
+        for change in self.phases.history[pending.phase_start + 1:]:
+            phases[change.from_phase.value] = round(change.duration_s, 4)
         record = {"generation": pending.generation, "restore_step": pending.restore_step,
+                  "first_step_at": first_step,
                   "fault": pending.root.kind.value, "ranks": list(pending.root.ranks),
-                  "fault_to_first_step_s": round(total, 3),
-                  "phases_s": {**pending.phases, **self.phases.timings()},
+                  "fault_to_first_step_s": round(first_step - pending.fault_wall, 3),
+                  "lost_steps": pending.lost_steps, "phases_s": phases,
                   "reason": pending.plan_reason}
         self.history.append(record)
         self.events.emit("recovered", **record)

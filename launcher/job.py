@@ -33,6 +33,7 @@ from spares.pool import SparePool
 from recovery.base import FaultReport, WorldView
 from recovery.detection import StallDetector, classify
 from runtime.context import WorkerContext
+from runtime.session import FINISHED_PREFIX
 from runtime.shm import check_capacity, memory_plan
 
 REPLICA_KEEP = 2  # replica steps a keeper keeps per rank (Keeper's default)
@@ -213,7 +214,8 @@ class JobRunner:
             while len(results) < cfg.job.world_size:
                 members = self.services.membership.members()
                 polled = monitor.poll(slots, set(results), members,
-                                      timeout_s=cfg.detection.poll_interval_s)
+                                      timeout_s=cfg.detection.poll_interval_s,
+                                      finished=self._finished_workers)
                 results.update(polled.finished)
                 for sample in polled.progress:
                     stall.observe(sample)
@@ -233,6 +235,11 @@ class JobRunner:
         finally:
             view.close()
         return {rank: results[rank] for rank in sorted(results)}
+
+    def _finished_workers(self) -> set[str]:
+        """Workers that left membership on purpose (their entrypoint returned)."""
+        return {kv.key.removeprefix(FINISHED_PREFIX)
+                for kv in self.services.membership.list_prefix(FINISHED_PREFIX)}
 
     def _injector(self, coordinator: RecoveryCoordinator) -> Injector | None:
         if self.scenario is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -36,10 +36,12 @@ class Monitor:
         self._node_check_s = node_check_s
         self._last_node_check = 0.0
         self._seen: dict[str, MemberRecord] = {}
+        self._vanished: dict[str, float] = {}
         self._dead_nodes: set[int] = set()
 
     def poll(self, slots: Mapping[int, RankSlot], done_ranks: set[int],
-             members: Mapping[str, MemberRecord], timeout_s: float) -> PollResult:
+             members: Mapping[str, MemberRecord], timeout_s: float,
+             finished: Callable[[], set[str]] = set) -> PollResult:
         result = PollResult()
         active = {slot.ref: slot for rank, slot in slots.items()
                   if rank not in done_ranks and slot.ref is not None}
@@ -54,7 +56,8 @@ class Monitor:
                 raise _worker_error(exc, slot.rank) from None
             except RayActorError as exc:
                 result.signals.append(ActorDied(slot.worker_id, now, str(exc).splitlines()[0]))
-        self._lease_signals(slots, done_ranks | set(result.finished), members, now, result)
+        self._lease_signals(slots, done_ranks | set(result.finished), members, now, result,
+                            finished)
         self._node_signals(now, result)
         for record in members.values():
             if record.rank >= 0 and slots.get(record.rank) and \
@@ -63,18 +66,23 @@ class Monitor:
         return result
 
     def _lease_signals(self, slots: Mapping[int, RankSlot], done: set[int],
-                       members: Mapping[str, MemberRecord], now: float, result: PollResult) -> None:
+                       members: Mapping[str, MemberRecord], now: float, result: PollResult,
+                       finished: Callable[[], set[str]]) -> None:
         """A worker whose member key vanished while its call still runs lost its lease (a
-        frozen or partitioned process); a finishing worker's call completes within the grace."""
+        frozen or partitioned process). A finishing worker leaves etcd a moment before its
+        call returns, so a vanished key becomes a fault only after ``FINISH_GRACE_S``."""
         current = {slot.worker_id: slot for rank, slot in slots.items() if rank not in done}
         for worker_id, record in list(self._seen.items()):
-            slot = current.get(worker_id)
-            if worker_id in members or slot is None:
+            if worker_id in members or worker_id not in current:
+                self._vanished.pop(worker_id, None)
                 continue
-            ready, _ = ray.wait([slot.ref], timeout=FINISH_GRACE_S)
-            if not ready:
-                result.signals.append(LeaseLost(worker_id, now))
-            del self._seen[worker_id]
+            if record.extra.get("state") == "finished":
+                continue
+            since = self._vanished.setdefault(worker_id, now)
+            if now - since >= FINISH_GRACE_S and worker_id not in finished():
+                result.signals.append(LeaseLost(worker_id, since))
+                del self._seen[worker_id]
+                self._vanished.pop(worker_id, None)
         self._seen.update({w: r for w, r in members.items() if w in current})
 
     def _node_signals(self, now: float, result: PollResult) -> None:

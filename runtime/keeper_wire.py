@@ -77,8 +77,7 @@ def handle(keeper: _Served, request: Request) -> Reply:
             return Reply({"evicted": evicted})
         case "replica_offer":
             manifest = _manifest(request, request.payload.remaining)
-            return Reply(answer_offer(keeper, _int(h, "rank"), _int(h, "step"), manifest,
-                                      _int(h, "size")))
+            return Reply(answer_offer(keeper, _int(h, "rank"), manifest, _int(h, "size")))
         case "replica_push":
             manifest = _manifest(request, _int(h, "manifest_nbytes"))
             return Reply(receive_push(keeper, _int(h, "rank"), _int(h, "step"), manifest, h,

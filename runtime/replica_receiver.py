@@ -18,6 +18,7 @@ from runtime.shm import Held
 
 _COPY_SLICE = 16 << 20  # memcpy slices, so a large copy does not hold the GIL for long
 
+
 class _Receiving(Protocol):
     """What the receiver needs of a Keeper (runtime.keeper.Keeper)."""
 
@@ -62,8 +63,7 @@ class TensorIndex:
         return found
 
 
-def answer_offer(keeper: _Receiving, rank: int, step: int, manifest: bytes,
-                 size: int) -> dict[str, Any]:
+def answer_offer(keeper: _Receiving, rank: int, manifest: bytes, size: int) -> dict[str, Any]:
     """Reply to replica_offer: the offered tensors this keeper holds, and the steps of
     ``rank`` it holds as replicas (a push of one of those is not needed)."""
     tensors = tensor_ranges(manifest, size)

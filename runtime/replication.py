@@ -383,6 +383,10 @@ class _Sender:
         return sent, sum(n for _, n in reused), list(reply.get("held", [step]))
 
     def _failed(self, rank: int, step: int, exc: BaseException, *, preempted: bool) -> None:
+        if self.owner._view(self) is None:  # retired or closing: the abort was ours
+            log.debug("replication.push_abandoned node=%s target=%s rank=%d step=%d",
+                      self.owner.node, self.target, rank, step)
+            return
         if preempted:
             error = "preempted: the worker claimed the slot being pushed"
         else:

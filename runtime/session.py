@@ -38,6 +38,7 @@ from runtime.state_tree import RNGState
 
 log = logging.getLogger(__name__)
 PLAN_TIMEOUT_S = 120.0
+FINISHED_PREFIX = "finished/"
 
 
 class _Progress:
@@ -76,6 +77,9 @@ class Session:
         self._watcher: GenerationWatcher | None = None
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._first_step_at = 0.0
+        self._awaiting_first_step = False
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------
@@ -83,6 +87,7 @@ class Session:
         if self._started:
             return self
         ctx = self.context
+        log.info("event=session_start rank=%d generation=%d", ctx.rank, ctx.generation)
         torch.set_num_threads(ctx.torch_threads)
         if ctx.etcd_endpoints:
             self._membership = EtcdMembership(list(ctx.etcd_endpoints),
@@ -93,6 +98,7 @@ class Session:
         restore = ctx.extra.get("restore")
         if isinstance(restore, dict):
             self._apply_restore(int(restore["step"]), restore["sources"], ctx.generation)
+            self._awaiting_first_step = True
         if not ctx.standalone_run:
             store = connect_store(ctx, ctx.group_timeout_s)
             self._collective = Collective(store, ctx.rank, ctx.world_size, ctx.group_timeout_s)
@@ -126,6 +132,7 @@ class Session:
         """Publish the last snapshot, leave membership and stop the heartbeat; groups are
         dropped with the process (never destroyed: that can block on a dead peer)."""
         self._stop.set()
+        self._wake.set()
         if self._snapshotter is not None:
             self._snapshotter.close()
             self._snapshotter = None
@@ -141,6 +148,9 @@ class Session:
         if self._membership is not None:
             try:
                 self._membership.update(self._record(state="finished"))
+                # a plain key that outlives our lease: "left on purpose", not a lost lease
+                self._membership.put(f"{FINISHED_PREFIX}{self.context.worker_id}",
+                                     str(self._progress.step_index).encode())
             except (MembershipUnavailable, LeaseLost) as exc:
                 log.warning("event=final_progress_lost rank=%d error=%s", self.rank, exc)
             self._membership.close()
@@ -202,6 +212,10 @@ class Session:
             self._recover(str(exc))
             return
         self._progress.step_index += 1
+        if self._awaiting_first_step:  # the first step of a new generation: report it now
+            self._awaiting_first_step = False
+            self._first_step_at = time.time()
+            self._wake.set()
         if snapshotter is not None:
             snapshotter.observe_step(time.perf_counter() - started)
             if snapshotter.due(self._progress.step_index):
@@ -239,6 +253,7 @@ class Session:
         self._apply_restore(plan.restore_step, assignment.sources, plan.generation)
         self._collective.form(plan.generation, world_size=plan.world_size)
         self.generation = plan.generation
+        self._awaiting_first_step = True
         self.recoveries += 1
         log.warning("event=rank_rejoined rank=%d generation=%d restore_step=%d seconds=%.3f",
                     self.rank, plan.generation, plan.restore_step, time.perf_counter() - started)
@@ -259,14 +274,17 @@ class Session:
         ctx = self.context
         return MemberRecord(worker_id=ctx.worker_id, rank=ctx.rank, node=ctx.node,
                             step=self._progress.step_index, generation=self.generation,
-                            pid=os.getpid(), extra={"state": state, "time": time.time()})
+                            pid=os.getpid(), extra={"state": state, "time": time.time(),
+                                                    "first_step_at": self._first_step_at})
 
     def _beat(self) -> None:
         """Heartbeat thread: refresh our member record (progress) every heartbeat."""
         assert self._membership is not None
         last = None
-        while not self._stop.wait(self.context.heartbeat_s):
-            current = (self._progress.step_index, self.generation)
+        while not self._stop.is_set():
+            self._wake.wait(self.context.heartbeat_s)
+            self._wake.clear()
+            current = (self._progress.step_index, self.generation, self._first_step_at)
             if current == last:
                 continue
             last = current

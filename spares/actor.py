@@ -29,6 +29,7 @@ class WorkerActor:
         import torch  # warm-up: the import is most of a fresh worker's start-up time
 
         torch.set_num_threads(torch_threads)
+        _warm_torch()
         self._entry = load_entrypoint(entrypoint)
         if warmup:
             load_entrypoint(warmup)()  # the user's optional spares.warmup hook
@@ -48,6 +49,7 @@ class WorkerActor:
         _redirect_output(log_path)
         logging.basicConfig(level=logging.INFO, force=True,
                             format="%(asctime)s %(name)s %(message)s")
+        log.info("event=worker_run rank=%d pid=%d", self._rank, os.getpid())
         try:
             result = self._entry(**args)
         except BaseException as exc:  # process boundary: the traceback becomes the report
@@ -59,6 +61,21 @@ class WorkerActor:
             sys.stdout.flush()
             sys.stderr.flush()
         return {"rank": self._rank, "pid": os.getpid(), "result": result}
+
+
+def _warm_torch() -> None:
+    """Pay torch's lazy first-use costs now, not when promoted: building the first optimizer
+    imports torch's compiler stack (about 1.2 s here), the first backward sets up autograd."""
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                      torch.optim.AdamW(model.parameters(), lr=0.1)):
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
 
 
 def _redirect_output(log_path: str) -> None:

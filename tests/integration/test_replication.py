@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtime import replica_receiver, replica_wire
-from runtime.keeper import Keeper, KeeperClient, owned_names
+from runtime.keeper import Keeper, KeeperClient, SlotBusy, owned_names
 from runtime.replication import Replicator
 from runtime.snapshot_format import (Manifest, checksums, make_manifest, plan_layout,
                                      read_tensors, write_into)
@@ -113,11 +113,13 @@ def keepers(fence):
 
 @pytest.fixture
 def cleanup():
-    """Close what a test opened (replicators first, then workers), in reverse order."""
+    """Close what a test opened, in reverse order (replicators before workers), then
+    check that no sender thread outlived its Replicator."""
     items: list = []
     yield items.append
     for item in reversed(items):
         item.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("replicate-")]
 
 
 def _replicator(keepers: dict[str, Keeper], node: str, cleanup, **kwargs) -> Replicator:
@@ -336,3 +338,58 @@ def test_new_generation_fences_old_pushes_and_moves_targets(keepers, cleanup, fe
           == ["replicate-a-to-c"])
     assert keepers["b"].holdings()[0]["replica"] == [1]
     assert keepers["c"].holdings()[0]["replica"] == [2]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_claim_preempts_a_push_pin_but_waits_for_other_readers(keepers):
+    keeper = keepers["a"]
+    worker = _Worker(keeper, 0, _tensors(17))
+    try:
+        worker.publish(1)
+        worker.publish(2)  # slots hold steps 1 and 2 (the newest, never claimed)
+        calls = []
+
+        def on_claim():  # what a Replicator's push does: signal, unpin a moment later
+            calls.append("preempted")
+            threading.Timer(0.05, keeper.unpin, (held, on_claim)).start()
+
+        _, held = keeper.pin(0, 1, on_claim=on_claim)
+        started = time.monotonic()
+        slot, _ = keeper.claim(0)
+        assert calls == ["preempted"] and time.monotonic() - started < 1.0
+        assert held.pins == 0 and held.yielding == []
+        keeper.publish(0, 3, slot, b"{}", worker.layout.total_bytes)
+        _, reader = keeper.pin(0, 2)  # a plain reader (restore, persister) is waited for
+        keeper._claim_wait_s = 0.2
+        with pytest.raises(SlotBusy):
+            keeper.claim(0)
+        keeper.unpin(reader)
+    finally:
+        worker.close()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_chunk_plan_and_digests():
+    segments = replica_wire.sent_segments(100, [(10, 20), (50, 5)])
+    assert segments == [(0, 10), (30, 20), (55, 45)]
+    chunks = list(replica_wire.iter_chunks(segments, 16))
+    assert chunks == [[(0, 10), (30, 6)], [(36, 14), (55, 2)], [(57, 16)], [(73, 16)],
+                      [(89, 11)]]
+    assert replica_wire.push_nbytes(7, segments, 16) == 7 + 75 + 5 * 8
+    data = bytearray(os.urandom(1000) + b"\x00" * 3)
+    for algo in replica_wire.CHUNK_DIGESTS:
+        parts = [memoryview(data)[:501], memoryview(data)[501:]]
+        digest = replica_wire.chunk_digest(parts, algo)
+        for at in range(0, len(data), 37):  # any flipped byte changes the digest
+            data[at] ^= 0x01
+            assert replica_wire.chunk_digest(parts, algo) != digest
+            data[at] ^= 0x01
+        assert replica_wire.chunk_digest(parts, algo) == digest
+    manifest = b'{"tensors": {"a": {"offset": 8, "nbytes": 4096, "checksum": "sha256:00"},' \
+               b' "b": {"offset": 4104, "nbytes": 4096, "checksum": "crc32:0000abcd"}}}'
+    tensors = replica_wire.tensor_ranges(manifest, 8200)
+    assert replica_wire.dedup_candidates(tensors) == [0]  # crc32 never deduplicates
+    assert replica_wire.tensor_ranges(manifest, 8199) == []  # b runs past the payload
+    assert replica_wire.tensor_ranges(b'{"step": 1}', 10) == []
