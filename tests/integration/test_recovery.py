@@ -82,3 +82,24 @@ def test_hung_worker_is_detected_killed_and_replaced(tmp_path: Path,
     assert record["fault"] in ("lease_lost", "stalled")
     fired = [e for e in events_of(result) if e["event"] == "drill_fault"][0]
     print(f"SIGSTOP -> first step {record['first_step_at'] - fired['time']:.3f} s")
+
+
+@pytest.mark.timeout(400)
+def test_no_spare_restarts_a_fresh_worker(tmp_path: Path, fault_free: LaunchResult) -> None:
+    result = launch("configs/demo.yaml", *JOB, "spares.count=0", "spares.on_exhausted=restart",
+                    "drills.scenario=configs/drills/kill_worker.yaml", run_root=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.hashes == fault_free.hashes
+    promoted = [e for e in events_of(result) if e["event"] == "promoted"]
+    assert [(e["rank"], e["worker"]) for e in promoted] == [(1, "w1-g1")]
+
+
+@pytest.mark.timeout(400)
+def test_no_spare_with_fail_policy_stops_cleanly_naming_the_fault(
+        tmp_path: Path, footprint: Footprint) -> None:
+    result = launch("configs/demo.yaml", *JOB, "spares.count=0", "spares.on_exhausted=fail",
+                    "drills.scenario=configs/drills/kill_worker.yaml", run_root=tmp_path)
+    assert result.returncode == 1
+    assert "PlanInfeasible" in result.stderr and "rank(s) [1]" in result.stderr
+    assert "spare" in result.stderr
+    assert_nothing_left(footprint)
