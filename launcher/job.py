@@ -20,6 +20,7 @@ from configs.loader import dump_config
 from configs.schema import PhalanxConfig
 from runtime.entrypoint import resolve_path
 from launcher.keeper_actor import KeeperActor, build_tiers, node_name
+from launcher.commit_tracker import CommitTracker
 from launcher.coordinator import RankSlot, RecoveryCoordinator
 from launcher.drills import Injector, load_scenario
 from launcher.events import EventLog
@@ -208,6 +209,9 @@ class JobRunner:
         view = ProgressView(self.console, cfg.job.world_size, total).start()
         monitor = Monitor(cfg.job.nodes)
         injector = self._injector(coordinator)
+        factor = cfg.replication.factor if cfg.replication.enabled else 0
+        commits = CommitTracker(self.services.membership, cfg.job.world_size, factor,
+                                cfg.replication.commit_every_steps)
         stall = StallDetector(cfg.detection.stall_timeout_s)
         results: dict[int, Any] = {}
         try:
@@ -226,6 +230,7 @@ class JobRunner:
                     coordinator.recover(faults, slots)
                     stall.reset()
                 coordinator.check_resumed(members)
+                commits.poll()
                 if injector is not None:
                     injector.poll(members)
                 view.update(members)

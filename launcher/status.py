@@ -1,4 +1,6 @@
-"""``phalanx status``: the live member table of a running job, read from etcd."""
+"""``phalanx status``: the live state of a running job read from etcd: members (rank,
+worker, node, step), and per rank what the keepers hold (last local and replicated step,
+holders), the committed step and the bytes each keeper holds."""
 from __future__ import annotations
 
 import json
@@ -8,12 +10,14 @@ from rich.console import Console
 from rich.table import Table
 
 from configs.errors import MembershipUnavailable
+from launcher.commit_tracker import COMMIT_KEY, read_reports
 from launcher.rundir import RunDir
+from runtime.commit import KeeperReport
 from runtime.membership_etcd import EtcdMembership, job_prefix
 
 
 def show_status(run: RunDir, console: Console, timeout_s: float = 3.0) -> int:
-    """Print the member table; returns 0, or 3 when the job's etcd does not answer."""
+    """Print the tables; returns 0, or 3 when the job's etcd does not answer."""
     info = run.read_job()
     try:
         membership = EtcdMembership(list(info["etcd_endpoints"]),
@@ -26,17 +30,42 @@ def show_status(run: RunDir, console: Console, timeout_s: float = 3.0) -> int:
     try:
         members = membership.members()
         generation = membership.get("generation")
+        commit = membership.get(COMMIT_KEY)
+        reports = read_reports(membership)
     finally:
         membership.close()
-    table = Table(title=f"job {info['job']}  generation "
-                        f"{json.loads(generation.value) if generation else 0}  "
-                        f"run {run.path.name}")
-    for column in ("rank", "worker", "node", "step", "state", "pid", "age s"):
+    committed = json.loads(commit.value)["step"] if commit else -1
+    console.print(f"job {info['job']}  generation {int(generation.value) if generation else 0}"
+                  f"  committed step {committed}  run {run.path.name}")
+    console.print(_members_table(members))
+    console.print(_ranks_table(reports, info.get("world_size", 0), committed))
+    return 0
+
+
+def _members_table(members: dict) -> Table:
+    table = Table(title="members")
+    for column in ("rank", "worker", "node", "step", "generation", "state", "pid", "age s"):
         table.add_column(column)
     now = time.time()
-    for record in sorted(members.values(), key=lambda r: r.rank):
+    for record in sorted(members.values(), key=lambda r: (r.rank, r.worker_id)):
         age = now - float(record.extra.get("time", now))
-        table.add_row(str(record.rank), record.worker_id, record.node, str(record.step),
-                      str(record.extra.get("state", "?")), str(record.pid), f"{age:.1f}")
-    console.print(table)
-    return 0
+        table.add_row("keeper" if record.rank < 0 else str(record.rank), record.worker_id,
+                      record.node, str(record.step), str(record.generation),
+                      str(record.extra.get("state", record.extra.get("role", "?"))),
+                      str(record.pid), f"{age:.1f}")
+    return table
+
+
+def _ranks_table(reports: dict[str, KeeperReport], world_size: int, committed: int) -> Table:
+    table = Table(title=f"snapshots (committed step {committed})")
+    for column in ("rank", "last local step", "last replicated step", "holders"):
+        table.add_column(column)
+    for rank in range(world_size):
+        local = [max(r.local[rank]) for r in reports.values() if r.local.get(rank)]
+        replicated = [max(r.replicas[rank]) for r in reports.values() if r.replicas.get(rank)]
+        holders = sorted(n for n, r in reports.items() if r.replicas.get(rank))
+        table.add_row(str(rank), str(max(local, default=-1)), str(max(replicated, default=-1)),
+                      ",".join(holders) or "-")
+    for node, report in sorted(reports.items()):
+        table.add_row(f"keeper {node}", "", "", f"{report.bytes_held / 2**20:.1f} MiB held")
+    return table

@@ -1,0 +1,57 @@
+"""Tracks the global commit point from the keepers' reports (``keepers/<node>``) and writes
+``commit`` to etcd at most every ``replication.commit_every_steps`` steps (or every few
+seconds when it moved), never per step per rank."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from configs.errors import MembershipUnavailable
+from runtime.base import Membership
+from runtime.commit import KeeperReport, committed_step
+from runtime.keeper_reporter import KEEPERS
+
+log = logging.getLogger(__name__)
+COMMIT_KEY = "commit"
+
+
+def read_reports(membership: Membership) -> dict[str, KeeperReport]:
+    return {kv.key.removeprefix(KEEPERS): KeeperReport.from_json(kv.value)
+            for kv in membership.list_prefix(KEEPERS)}
+
+
+class CommitTracker:
+    """Owned by the launcher's main thread; ``poll`` is cheap (one etcd range read)."""
+
+    def __init__(self, membership: Membership, world_size: int, factor: int,
+                 every_steps: int, every_s: float = 5.0, read_every_s: float = 0.5) -> None:
+        self._membership = membership
+        self._ranks = list(range(world_size))
+        self._factor = factor
+        self._every_steps = every_steps
+        self._every_s = every_s
+        self._read_every_s = read_every_s
+        self._last_read = 0.0
+        self._written = -1
+        self._written_at = 0.0
+        self.committed = -1
+
+    def poll(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        if now - self._last_read < self._read_every_s:
+            return self.committed
+        self._last_read = now
+        try:
+            step = committed_step(read_reports(self._membership), self._ranks, self._factor)
+        except MembershipUnavailable as exc:
+            log.warning("event=commit_read_failed error=%s", exc)
+            return self.committed
+        self.committed = max(self.committed, step)
+        due = self.committed >= self._written + self._every_steps or (
+            self.committed > self._written and now - self._written_at >= self._every_s)
+        if due:
+            self._membership.put(COMMIT_KEY, json.dumps(
+                {"step": self.committed, "time": time.time()}).encode())
+            self._written, self._written_at = self.committed, now
+        return self.committed
