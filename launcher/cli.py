@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from pathlib import Path
 from typing import Sequence
 
@@ -57,6 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("phalanx: interrupted; everything started was stopped")
         return 130
+    except Exception as exc:  # process boundary: an unexpected error is reported, not hidden
+        console.print(f"[red]phalanx internal error:[/red] {type(exc).__name__}: {exc}",
+                      highlight=False, markup=False)
+        console.print(traceback.format_exc(), highlight=False, markup=False)
+        return EXIT_FAILED
     return EXIT_USAGE
 
 
@@ -76,7 +82,11 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
               f"{record['generation']}, rolled back to step {record['restore_step']}, fault to "
               f"first step {record['fault_to_first_step_s']:.2f} s")
     for node, held in result.keepers.items():
-        summary = ", ".join(f"rank {rank}: steps {info.get('local')}" for rank, info in sorted(held.items()))
+        summary = "; ".join(
+            f"rank {rank}: " + ", ".join(
+                f"{kind} steps {info[key]}" for kind, key in (("own", "local"), ("replica", "replica"))
+                if info.get(key))
+            for rank, info in sorted(held.items()))
         print(f"keeper {node}: {summary}")
     print(f"run directory: {result.run_dir}")
     return EXIT_OK

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import ray
+from ray.exceptions import RayActorError
 
 from configs.errors import PlanInfeasible
 from configs.schema import PhalanxConfig
@@ -25,6 +26,7 @@ from runtime.base import MemberRecord, Membership
 from runtime.commit import KeeperReport, committed_step, holders_of
 from runtime.generation import GENERATION_KEY, GenerationPlan, RankAssignment, plan_key
 from runtime.keeper_reporter import report_from_keeper
+from runtime.placement import Placement, PlacementInput, place_replicas
 from spares.pool import SparePool
 
 log = logging.getLogger(__name__)
@@ -79,11 +81,37 @@ class RecoveryCoordinator:
         self.recoveries = 0
         self.live_nodes: set[int] = set(range(cfg.job.nodes))
         self.pending: Recovery | None = None
+        self.placement: Placement | None = None
         self.history: list[dict[str, Any]] = []
 
     def fence_initial(self) -> None:
         if not self.membership.compare_and_swap(GENERATION_KEY, 0, b"0"):
             raise PlanInfeasible("generation key already exists: another launcher runs this job")
+
+    def place(self, slots: Mapping[int, RankSlot]) -> None:
+        """Choose replica holders for this generation and hand every live keeper its part:
+        which local ranks to replicate where (and the generation that fences older writers)."""
+        live = sorted(n for n in self.live_nodes if n in self.keepers)
+        factor = min(self.cfg.replication.factor if self.cfg.replication.enabled else 0,
+                     len(live) - 1)
+        holders: dict[int, list[str]] = {}
+        if factor > 0:
+            placement = place_replicas(PlacementInput(
+                {r: node_name(s.node) for r, s in slots.items()},
+                [node_name(n) for n in live], factor), previous=self.placement)
+            self.placement = placement
+            holders = {int(r): list(h) for r, h in placement.holders.items()}
+        addresses = {node_name(n): list(self.keepers[n][1]) for n in live}
+        for node in live:
+            try:
+                ray.get(self.keepers[node][0].set_targets.remote(
+                    self.generation, [r for r, s in slots.items() if s.node == node], holders,
+                    addresses), timeout=30)
+            except RayActorError as exc:  # detected as a node fault on the next poll
+                self.events.emit("keeper_unreachable", node=node_name(node),
+                                 error=str(exc).splitlines()[0][:200])
+        self.events.emit("placement", generation=self.generation, factor=factor,
+                         holders={str(r): h for r, h in sorted(holders.items())})
 
     # -- the recovery ------------------------------------------------------------------
     def recover(self, faults: Sequence[FaultReport], slots: dict[int, RankSlot]) -> None:
@@ -100,6 +128,10 @@ class RecoveryCoordinator:
         detect_s = max(0.0, self.clock() - root.observed_at)
         self.phases.transition(Phase.PLANNING, "faults classified")
         reports = self._fresh_reports()
+        lost_nodes = {f.node for f in faults if f.node} - {node_name(n) for n in self.live_nodes}
+        faults = list(faults) + [FaultReport(FaultKind.NODE_DIED, tuple(
+            r for r, s in slots.items() if node_name(s.node) == node), node, root.observed_at,
+            f"keeper of {node} is gone") for node in sorted(lost_nodes)]
         world = self._world(slots, reports)
         plan = plan_recovery(faults, world, self._replicas(reports), self._tiers(),
                              self._spares(), RecoveryPolicy.from_config(
@@ -114,6 +146,7 @@ class RecoveryCoordinator:
         self._fence(plan, reports, slots)
         self.phases.transition(Phase.PROMOTING, "plan published")
         self._promote(plan, slots, faults)
+        self.place(slots)
         self.phases.transition(Phase.RESTORING, "workers started")
         self.recoveries += 1
         newest = max((max(steps) for report in reports.values()
@@ -140,7 +173,10 @@ class RecoveryCoordinator:
             try:
                 holdings, stats = ray.get([holdings_ref, stats_ref], timeout=10)
             except Exception as exc:  # a keeper that does not answer holds nothing usable
-                self.events.emit("keeper_unreachable", node=node_name(node), error=repr(exc))
+                self.events.emit("keeper_unreachable", node=node_name(node),
+                                 error=str(exc).splitlines()[0][:200])
+                if isinstance(exc, RayActorError):  # its node (and memory) is gone
+                    self._forget_node(node_name(node))
                 continue
             reports[node_name(node)] = report_from_keeper(node_name(node), live[node][1],
                                                           holdings, stats, self.generation)

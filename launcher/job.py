@@ -32,7 +32,7 @@ from launcher.services import Services, start_services
 from spares.actor import WorkerActor
 from spares.pool import SparePool
 from recovery.base import FaultReport, WorldView
-from recovery.detection import StallDetector, classify
+from recovery.detection import NodeLost, StallDetector, classify
 from runtime.context import WorkerContext
 from runtime.session import FINISHED_PREFIX
 from runtime.shm import check_capacity, memory_plan
@@ -92,10 +92,12 @@ class JobRunner:
                 self.cfg.tiers.disk.path or str(run.path / "checkpoints"))
             coordinator.fence_initial()
             slots = self._start_workers(run)
+            if self.keepers:
+                coordinator.place(slots)
             events.emit("started", world_size=self.cfg.job.world_size, nodes=self.cfg.job.nodes,
                         spares=self.cfg.spares.count)
             results = self._watch(run, slots, coordinator)
-            holdings = self._keeper_holdings()
+            holdings = self._keeper_holdings(coordinator.live_nodes)
             events.emit("finished", recoveries=coordinator.recoveries)
         result = JobResult(run.path, results, time.monotonic() - started, holdings,
                            coordinator.history)
@@ -148,11 +150,11 @@ class JobRunner:
         stack.callback(pool.close)
         return pool.start(list(range(cfg.job.nodes)))
 
-    def _keeper_holdings(self) -> dict[str, Any]:
-        """What each keeper holds at the end of the run (for the summary and tests)."""
-        names = [node_name(node) for node in self.keepers]
-        refs = [actor.holdings.remote() for actor, _ in self.keepers.values()]
-        return dict(zip(names, ray.get(refs, timeout=30))) if refs else {}
+    def _keeper_holdings(self, live: set[int]) -> dict[str, Any]:
+        """What each live keeper holds at the end of the run (for the summary and tests)."""
+        nodes = [node for node in self.keepers if node in live]
+        refs = [self.keepers[node][0].holdings.remote() for node in nodes]
+        return {node_name(n): held for n, held in zip(nodes, ray.get(refs, timeout=30))}
 
     def _context(self, run: RunDir, slot: RankSlot, generation: int,
                  restore: dict | None) -> WorkerContext:
@@ -265,7 +267,10 @@ class JobRunner:
             live_nodes=frozenset(node_name(n) for n in coordinator.live_nodes),
             committed_step=-1)
         now = time.monotonic()
-        faults = classify(polled.signals, world, now)
+        live = {node_name(n) for n in coordinator.live_nodes}
+        signals = [s for s in polled.signals  # a node already handled is not a new fault
+                   if not isinstance(s, NodeLost) or s.node in live]
+        faults = classify(signals, world, now)
         if not faults and coordinator.pending is None:
             faults = stall.check(now)
         return faults

@@ -20,6 +20,7 @@ from runtime.keeper import Keeper
 from runtime.keeper_reporter import KeeperReporter, keeper_member, report_from_keeper
 from runtime.membership_etcd import EtcdMembership, job_prefix
 from runtime.persister import TierPersister
+from runtime.replication import Replicator
 from runtime.tier_disk import DiskTier
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,20 @@ class KeeperActor:
         self._generation = 0
         self._events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self._lock = threading.Lock()
-        self._keeper = Keeper(node, cfg.job.name, bytes.fromhex(secret_hex),
+        self._fence = 0
+        secret = bytes.fromhex(secret_hex)
+        self._keeper = Keeper(node, cfg.job.name, secret,
                               shm_dir=cfg.snapshot.shm_dir, slots=cfg.snapshot.slots,
                               bind_host=cfg.replication.bind_host,
+                              generation_check=lambda generation: generation >= self._fence,
                               timeout_s=cfg.replication.timeout_s).start()
+        self._replicator = None
+        if cfg.replication.enabled and cfg.replication.factor > 0:
+            self._replicator = Replicator(
+                self._keeper, node, secret=secret, job=cfg.job.name,
+                timeout_s=cfg.replication.timeout_s,
+                chunk_bytes=int(cfg.replication.chunk_mb * 2**20),
+                on_event=self._on_replica_event).start()
         self._membership = EtcdMembership(etcd_endpoints, job_prefix(cfg.etcd.prefix, cfg.job.name))
         self._membership.connect()
         self._reporter = KeeperReporter(
@@ -70,6 +81,25 @@ class KeeperActor:
         if tiers and local_ranks:
             self._persister = TierPersister(self._keeper, tiers, list(range(cfg.job.world_size)),
                                             local_ranks, on_event=self._on_event).start()
+
+    def set_targets(self, generation: int, local_ranks: list[int],
+                    holders: dict[int, list[str]], addresses: dict[str, list]) -> None:
+        """A new generation: fence older writers, replicate ``local_ranks`` to their
+        holders, persist the ranks now on this node."""
+        self._fence = self._generation = generation
+        if self._replicator is not None:
+            mine = {int(r): list(holders.get(r, [])) for r in local_ranks if holders.get(r)}
+            self._replicator.set_targets(generation, mine,
+                                         {n: (str(a[0]), int(a[1])) for n, a in addresses.items()})
+        if self._persister is not None:
+            self._persister.set_local_ranks(local_ranks)
+
+    def replication_stats(self) -> dict[str, Any]:
+        return {} if self._replicator is None else dict(self._replicator.stats())
+
+    def _on_replica_event(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "replica_failed":
+            self._on_event(event)
 
     def _report(self) -> Any:
         return report_from_keeper(self._node, self._keeper.address, self._keeper.holdings(),
@@ -99,6 +129,8 @@ class KeeperActor:
         return json.loads(json.dumps(drained))
 
     def close(self) -> None:
+        if self._replicator is not None:
+            self._replicator.close()
         if self._persister is not None:
             self._persister.close()
         self._reporter.close()

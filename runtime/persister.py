@@ -190,6 +190,10 @@ class TierPersister:
                 self._persist(state, max(due))
                 self._try_commit(state)
 
+    def set_local_ranks(self, ranks: Sequence[int]) -> None:
+        """The ranks whose snapshots this keeper now holds (after a rank moved node)."""
+        self._local = sorted(set(int(r) for r in ranks))
+
     def _ready_steps(self, holdings: dict[int, dict[str, Any]]) -> set[int]:
         """Steps every local rank holds as a published local snapshot."""
         steps: set[int] | None = None

@@ -1,0 +1,74 @@
+"""bench/recovery.py --quick launches a real job, kills a worker, and reports its recovery in
+the JSON schema the docs rely on."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "recovery.py"
+PHASES = {"notice", "detect", "plan", "fence", "promote", "restore"}
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
+
+
+@pytest.mark.timeout(300)
+def test_quick_bench_recovers_a_killed_worker(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(BENCH), "--quick", "--out", str(out)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        stdout, _ = proc.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        proc.terminate()            # SIGTERM: the bench stops its launch, which stops Ray
+        stdout, _ = proc.communicate(timeout=90)
+        pytest.fail(f"bench did not finish in 280 s:\n{stdout[-3000:]}")
+    assert proc.returncode == 0, stdout[-3000:]
+
+    report = json.loads((out / "recovery.json").read_text())
+    assert report["bench"] == "recovery" and report["quick"] and report["schema_version"] == 1
+    assert report["faults"] == ["kill_worker"] and report["worlds"] == [2]
+    assert report["sizes_mib"] == [16] and report["repeats"] == 1
+    assert report["references"] == []
+    assert positive(report["machine"]["cpus"]) and report["notes"]
+    if report["png"] is not None:
+        assert Path(report["png"]).stat().st_size > 0
+
+    [run] = report["runs"]
+    assert run["ok"], f"{run.get('error')}\n{run.get('output_tail')}"
+    assert (run["fault"], run["world"], run["state_mib"], run["nodes"]) == \
+        ("kill_worker", 2, 16, 2)
+    assert run["returncode"] == 0 and run["recoveries"] == 1
+    assert run["detected_as"] == "worker_died" and run["generation"] == 1
+    assert positive(run["fault_to_first_step_s"]) and positive(run["kill_to_first_step_s"])
+    assert run["kill_to_first_step_s"] >= run["fault_to_first_step_s"]
+    assert set(run["phases"]) == PHASES
+    assert math.isclose(sum(run["phases"].values()), run["kill_to_first_step_s"], abs_tol=0.01)
+    assert isinstance(run["lost_steps"], int) and 0 <= run["lost_steps"] <= 1
+    assert run["ranks_agree"] and len(run["hash"]) == 64
+    # parameters about 16 MiB, snapshot = parameters + momentum + small state
+    assert 15 << 20 <= run["parameter_bytes"] <= 17 << 20
+    assert 2 * run["parameter_bytes"] <= run["snapshot_bytes"] <= 2 * run["parameter_bytes"] + (1 << 20)
+    assert any(r["worker"].startswith("rank_1_spare") for r in run["restores"])
+
+    [cell] = report["cells"]
+    assert cell["ok_runs"] == cell["runs"] == 1
+    assert cell["kill_to_first_step_s"] == run["kill_to_first_step_s"]
+    assert set(cell["phases"]) == PHASES
+    assert report["verdicts"] == []         # no target for world 2 at 16 MiB
+
+    assert "| kill_worker | 2 | 16 |" in stdout
+    assert "kill→first step" in stdout
+    assert not Path(run["run_dir"]).exists()  # run directories are removed
