@@ -245,14 +245,25 @@ def run_one(args: argparse.Namespace, work: Path, fault: str | None, world: int,
         errors.append("ranks ended with different parameters")
     if fault is not None:
         fired = [e for e in events if e.get("event") == "drill_fault"]
+        fired_at = float(fired[0]["time"]) if fired else math.inf
         recovered = [e for e in events if e.get("event") == "recovered"]
+        # faults the coordinator acted on before the drill fired (e.g. a false stall)
+        spurious = [e for e in events if e.get("event") == "fault"
+                    and float(e.get("time", 0)) < fired_at]
+        after = [e for e in recovered if float(e.get("time", 0)) > fired_at
+                 and float(e.get("first_step_at", 0)) > fired_at]
         result["recoveries"] = len(recovered)
+        result["spurious_faults"] = [{"kind": e.get("kind"), "ranks": e.get("ranks"),
+                                      "evidence": e.get("evidence")} for e in spurious]
         if not fired:
             errors.append("the drill fault never fired")
-        if not recovered:
-            errors.append("no recovered event")
-        if fired and recovered:
-            record = recovered[0]
+        if spurious:
+            errors.append(f"{len(spurious)} fault(s) before the drill fired: "
+                          f"{spurious[0].get('evidence')}")
+        if fired and not after:
+            errors.append("no recovered event after the drill fault")
+        if fired and after:
+            record = after[0]
             kill_to_first = float(record["first_step_at"]) - float(fired[0]["time"])
             result.update({
                 "fired_at_step": fired[0].get("step"),
@@ -292,7 +303,10 @@ def summarize(cell: dict[str, Any], runs: list[dict[str, Any]],
                 "lost_steps": med([r["lost_steps"] for r in ok]),
                 "snapshot_bytes": med([r["snapshot_bytes"] for r in runs]),
                 "median_step_s": med([r["median_step_s"] for r in runs]),
-                "hashes_agree": len({r["hash"] for r in ok}) <= 1})
+                "hashes_agree": len({r["hash"] for r in ok}) <= 1,
+                "runs_with_spurious_faults": sum(1 for r in runs if r.get("spurious_faults")),
+                "loadavg1_median": med([r["loadavg_before"][0] for r in runs]),
+                "errors": [r["error"] for r in runs if not r["ok"]]})
     if reference is not None and reference.get("ok"):
         out["identical_to_fault_free"] = all(r["hash"] == reference["hash"] for r in ok) \
             if ok else None
@@ -378,7 +392,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--fault-step", type=int, default=10, help="step the fault fires at")
-    p.add_argument("--steps", type=int, default=25, help="training steps per run")
+    p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--sleep-per-step", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-timeout", type=float, default=300.0, help="job.timeout_s of a run")
@@ -415,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     references: dict[tuple[int, float], dict[str, Any]] = {}
     stall_s: dict[str, float] = {}
+    interrupted = False
     total = len(cells) * args.repeats + (0 if args.no_reference else
                                          len({(c["world"], c["state_mib"]) for c in cells}))
     progress(f"recovery bench: {len(cells)} cell(s) x {args.repeats} repeat(s), "
@@ -449,10 +464,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else:
                     last = (run.get("output_tail") or "").strip().splitlines()[-1:] or [""]
                     progress(f"{where}: FAILED ({run['error']}) {last[0][:160]}")
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: report what was measured so far
+        interrupted = True
+        progress("interrupted: writing the runs measured so far")
     finally:
         signal.signal(signal.SIGTERM, previous)
         if not args.keep_runs:
             shutil.rmtree(work, ignore_errors=True)
+    cells = [c for c in cells if c["key"] in stall_s]  # an interrupt may leave some unrun
     summaries = [summarize(cell, [r for r in runs if r["key"] == cell["key"]],
                            references.get((cell["world"], cell["state_mib"])))
                  for cell in cells]
@@ -461,6 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     drawn = plot(png, summaries)
     report = {
         "bench": "recovery", "schema_version": SCHEMA_VERSION, "quick": args.quick,
+        "interrupted": interrupted,
         "config": CONFIG, "entrypoint": ENTRYPOINT, "faults": args.fault_list,
         "worlds": args.world_list, "sizes_mib": args.size_list, "repeats": args.repeats,
         "fault_step": args.fault_step, "steps": args.steps,
@@ -486,6 +506,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(table(summaries))
     print()
+    for c in summaries:
+        for error in c["errors"]:
+            print(f"failed run of {c['key']}: {error[:300]}")
+        if c["identical_to_fault_free"] is False:
+            print(f"{c['key']}: final parameters differ from the fault-free run")
+    for c in summaries:
+        print(f"{c['key']}: 1-min load average before its runs (median) {c['loadavg1_median']}")
     for t in targets:
         value = t["kill_to_first_step_s"]
         print(f"{t['verdict']}  {t['target']} ({t['cell']}): kill→first step "
@@ -493,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not targets:
         print("(no cell of this run has a target)")
     progress(f"wrote {path}" + (f" and {png}" if drawn else ""))
-    return 0
+    return 130 if interrupted else 0
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

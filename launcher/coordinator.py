@@ -5,6 +5,7 @@ of the new generation completes."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from ray.exceptions import RayActorError
 from configs.errors import PlanInfeasible
 from configs.schema import PhalanxConfig
 from launcher.events import EventLog
-from launcher.keeper_actor import node_name
+from launcher.keeper_actor import disk_tier_root, node_name
 from recovery.base import (Abort, FaultKind, FaultReport, PromoteSpare, RecoveryPlan,
                            ReplicaMap, RestartWorker, RestoreFromKeeper, RestoreFromTier,
                            Rollback, SpareInventory, TierInventory, WaitForCapacity, WorldView)
@@ -67,14 +68,14 @@ class RecoveryCoordinator:
 
     def __init__(self, cfg: PhalanxConfig, membership: Membership, keepers: dict[int, tuple[Any, tuple[str, int]]],
                  pool: SparePool | None, launch: Launch, events: EventLog,
-                 tier_root: str, clock: Callable[[], float] = time.monotonic) -> None:
+                 run_dir: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.membership = membership
         self.keepers = keepers
         self.pool = pool
         self.launch = launch
         self.events = events
-        self.tier_root = tier_root
+        self.run_dir = run_dir
         self.clock = clock
         self.phases = PhaseMachine(clock)
         self.generation = 0
@@ -82,6 +83,7 @@ class RecoveryCoordinator:
         self.live_nodes: set[int] = set(range(cfg.job.nodes))
         self.pending: Recovery | None = None
         self.placement: Placement | None = None
+        self.committed: Callable[[], int] = lambda: -1
         self.history: list[dict[str, Any]] = []
 
     def fence_initial(self) -> None:
@@ -138,6 +140,10 @@ class RecoveryCoordinator:
                                  self.cfg.spares, self.cfg.recovery, self.recoveries), time.time())
         self.events.emit("plan", generation=plan.generation, restore_step=plan.restore_step,
                          actions=[type(a).__name__ for a in plan.actions], reason=plan.reason)
+        if plan.restore_step < 0 and not plan.aborted:
+            plan = dataclasses.replace(plan, actions=(Abort(
+                f"{plan.reason}: no step is committed in memory or complete in a tier, so "
+                "there is nothing to roll back to; persist earlier (tiers.disk.every_steps)"),))
         if plan.aborted or plan.waiting:
             self.phases.transition(Phase.FAILED, plan.reason)
             raise PlanInfeasible(plan.reason)
@@ -162,7 +168,7 @@ class RecoveryCoordinator:
             rank_workers={r: slots[r].worker_id for r in ranks},
             worker_nodes={slots[r].worker_id: node_name(slots[r].node) for r in ranks},
             live_nodes=frozenset(node_name(n) for n in self.live_nodes),
-            committed_step=committed_step(reports, ranks, 0))
+            committed_step=max(self.committed(), committed_step(reports, ranks, 0)))
 
     def _fresh_reports(self) -> dict[str, KeeperReport]:
         """What every live keeper holds right now (etcd reports may be a heartbeat old)."""
@@ -195,7 +201,7 @@ class RecoveryCoordinator:
         from launcher.keeper_actor import build_tiers
 
         steps = {}
-        for tier, _, _ in build_tiers(self.cfg, self.tier_root):
+        for tier, _, _ in build_tiers(self.cfg, self.run_dir):
             try:
                 steps[tier.name] = tuple(tier.committed_steps())
             except Exception as exc:  # an unreachable tier offers no checkpoint
@@ -263,10 +269,8 @@ class RecoveryCoordinator:
 
     def _tier_source(self, tier: str) -> dict[str, Any] | None:
         if tier == "disk" and self.cfg.tiers.disk.enabled:
-            from pathlib import Path
-
             return {"kind": "tier", "tier": "disk",
-                    "path": self.cfg.tiers.disk.path or str(Path(self.tier_root))}
+                    "path": disk_tier_root(self.cfg, self.run_dir)}
         if tier == "s3" and self.cfg.tiers.s3.enabled:
             from dataclasses import asdict
 

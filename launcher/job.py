@@ -89,7 +89,7 @@ class JobRunner:
             coordinator = RecoveryCoordinator(
                 self.cfg, services.membership, self.keepers, pool,
                 lambda slot, gen, restore: self._launch(run, slot, gen, restore), events,
-                self.cfg.tiers.disk.path or str(run.path / "checkpoints"))
+                str(run.path))
             coordinator.fence_initial()
             slots = self._start_workers(run)
             if self.keepers:
@@ -214,6 +214,7 @@ class JobRunner:
         factor = cfg.replication.factor if cfg.replication.enabled else 0
         commits = CommitTracker(self.services.membership, cfg.job.world_size, factor,
                                 cfg.replication.commit_every_steps)
+        coordinator.committed = lambda: commits.committed
         stall = StallDetector(cfg.detection.stall_timeout_s)
         results: dict[int, Any] = {}
         try:

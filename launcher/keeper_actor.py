@@ -32,11 +32,16 @@ def node_name(index: int) -> str:
     return f"node{index}"
 
 
+def disk_tier_root(cfg: PhalanxConfig, run_dir: str) -> str:
+    """``tiers.disk.path``, or ``<run dir>/checkpoints`` when it is empty."""
+    return cfg.tiers.disk.path or str(Path(run_dir) / "checkpoints")
+
+
 def build_tiers(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int]]:
     """(tier, every_steps, keep) for each enabled tier."""
     tiers: list[tuple[Tier, int, int]] = []
     if cfg.tiers.disk.enabled:
-        root = Path(cfg.tiers.disk.path or Path(run_dir) / "checkpoints")
+        root = Path(disk_tier_root(cfg, run_dir))
         tiers.append((DiskTier(root, cfg.job.name), cfg.tiers.disk.every_steps, cfg.tiers.disk.keep))
     if cfg.tiers.s3.enabled:
         from runtime.tier_s3 import S3Tier
