@@ -75,6 +75,12 @@ HASH_RE = re.compile(r"rank (\d+) final parameter hash ([0-9a-f]{64})")
 LAYOUT_RE = re.compile(r"event=snapshot_layout rank=(\d+) bytes=(\d+)")
 RESTORED_RE = re.compile(r"event=rank_restored rank=(\d+) step=(\d+) source='([^']*)' "
                          r"bytes=(\d+) seconds=([0-9.]+)")
+STAMP_RE = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ "
+RUN_AT_RE = re.compile(STAMP_RE + r"event=worker_run ", re.M)
+START_AT_RE = re.compile(STAMP_RE + r"event=session_start ", re.M)
+RESTORED_AT_RE = re.compile(STAMP_RE + r"event=rank_restored ", re.M)
+FORMED_RE = re.compile(STAMP_RE + r"event=group_formed generation=([1-9]\d*) .*seconds=([0-9.]+)",
+                       re.M)
 
 
 # -- one run -----------------------------------------------------------------------------
@@ -168,7 +174,7 @@ def read_events(run_root: Path) -> tuple[Path | None, list[dict[str, Any]]]:
 def read_logs(run_dir: Path | None) -> dict[str, Any]:
     """Snapshot size, step time and restore transfers from the worker logs."""
     out: dict[str, Any] = {"snapshot_bytes": {}, "parameter_bytes": None, "big_layers": None,
-                           "median_step_s": {}, "restores": []}
+                           "median_step_s": {}, "restores": [], "replacements": []}
     if run_dir is None or not (run_dir / "logs").is_dir():
         return out
     for log in sorted((run_dir / "logs").iterdir()):
@@ -179,11 +185,32 @@ def read_logs(run_dir: Path | None) -> dict[str, Any]:
             out["parameter_bytes"], out["big_layers"] = int(params), int(layers)
             out["snapshot_bytes"][int(rank)] = int(snap)
             out["median_step_s"][log.stem] = float(step_s)
+        if "-g0" not in log.stem:  # a replacement (spare or restarted worker): its timeline
+            out["replacements"].append(replacement_timeline(log.stem, text))
         for rank, step, source, nbytes, seconds in RESTORED_RE.findall(text):
             out["restores"].append({"worker": log.stem, "rank": int(rank), "step": int(step),
                                     "source": source, "bytes": int(nbytes),
                                     "seconds": float(seconds)})
     return out
+
+
+def _stamp(text: str) -> float:
+    """A logging timestamp (local time, ms) as epoch seconds."""
+    return time.mktime(time.strptime(text[:19], "%Y-%m-%d %H:%M:%S")) + int(text[20:23]) / 1000
+
+
+def replacement_timeline(worker: str, text: str) -> dict[str, Any]:
+    """Wall-clock epochs of a replacement worker: entrypoint started (``run_at``), session
+    started (model built), snapshot restored, new group formed."""
+    timeline: dict[str, Any] = {"worker": worker}
+    for key, pattern in (("run_at", RUN_AT_RE), ("session_start_at", START_AT_RE),
+                         ("restored_at", RESTORED_AT_RE)):
+        found = pattern.search(text)
+        timeline[key] = _stamp(found.group(1)) if found else None
+    formed = FORMED_RE.search(text)
+    timeline["group_formed_at"] = _stamp(formed.group(1)) if formed else None
+    timeline["group_form_s"] = float(formed.group(3)) if formed else None
+    return timeline
 
 
 def phases_of(record: dict[str, Any], kill_to_first: float) -> dict[str, float]:
@@ -274,6 +301,9 @@ def run_one(args: argparse.Namespace, work: Path, fault: str | None, world: int,
                 "lost_steps": record.get("lost_steps"),
                 "phases": phases_of(record, kill_to_first),
                 "phases_s_raw": record.get("phases_s")})
+            result["replacements"] = [
+                {key: (round(value - fired_at, 3) if key.endswith("_at") and value else value)
+                 for key, value in item.items()} for item in logs["replacements"]]
             if kill_to_first <= 0 or float(record["fault_to_first_step_s"]) <= 0:
                 errors.append("non-positive recovery time")
     result["ok"] = not errors
@@ -496,6 +526,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "phases_s.detecting; plan/fence/promote = planning/fencing/promoting; restore = "
             "the rest up to the first completed step (includes the spare building the "
             "model, restoring the snapshot and re-forming the group).",
+            "replacements: per replacement worker, seconds after the fault was injected at "
+            "which its entrypoint started (run_at), its session started, i.e. the model was "
+            "built (session_start_at), its snapshot was restored and its new group formed.",
             "snapshot_bytes: the keeper slot size of each rank's snapshot as the snapshotter "
             "laid it out (parameters + SGD momentum + RNG and small state).",
             "The 2-core machine is shared: loadavg_before/after of each run show the load.",

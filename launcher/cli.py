@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="KEY=VALUE", help="override a config key (repeatable)")
     status = sub.add_parser("status", help="show the member table of a running job")
     status.add_argument("run_dir", nargs="?", help="run directory (default: the newest run)")
+    drill = sub.add_parser("drill", help="run a job fault-free and with a drill scenario, "
+                           "then check recovery time, lost steps and bit-identical results")
+    drill.add_argument("scenario", help="drill file (e.g. configs/drills/kill_worker.yaml)")
+    drill.add_argument("--config", default="configs/demo.yaml", help="job config to drill")
+    drill.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="override a config key (repeatable)")
     add_ckpt_parser(sub)
     return parser
 
@@ -39,6 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "launch":
             return _launch(args, console)
+        if args.command == "drill":
+            from configs.loader import load_config
+            from launcher.drill_report import run_drill
+            load_config(args.config, args.overrides)  # bad input fails before any run
+            return run_drill(args.config, args.overrides, args.scenario, console)
         if args.command == "ckpt":
             return run_ckpt(args, console)
         if args.command == "status":
@@ -59,8 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print("phalanx: interrupted; everything started was stopped")
         return 130
     except Exception as exc:  # process boundary: an unexpected error is reported, not hidden
-        console.print(f"[red]phalanx internal error:[/red] {type(exc).__name__}: {exc}",
-                      highlight=False, markup=False)
+        console.print("[red]phalanx internal error:[/red]", end=" ")
+        console.print(f"{type(exc).__name__}: {exc}", highlight=False, markup=False)
         console.print(traceback.format_exc(), highlight=False, markup=False)
         return EXIT_FAILED
     return EXIT_USAGE

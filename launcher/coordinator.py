@@ -134,8 +134,9 @@ class RecoveryCoordinator:
         faults = list(faults) + [FaultReport(FaultKind.NODE_DIED, tuple(
             r for r, s in slots.items() if node_name(s.node) == node), node, root.observed_at,
             f"keeper of {node} is gone") for node in sorted(lost_nodes)]
-        world = self._world(slots, reports)
-        plan = plan_recovery(faults, world, self._replicas(reports), self._tiers(),
+        tiers = self._tiers()
+        world = self._world(slots, reports, tiers)
+        plan = plan_recovery(faults, world, self._replicas(reports), tiers,
                              self._spares(), RecoveryPolicy.from_config(
                                  self.cfg.spares, self.cfg.recovery, self.recoveries), time.time())
         self.events.emit("plan", generation=plan.generation, restore_step=plan.restore_step,
@@ -161,14 +162,18 @@ class RecoveryCoordinator:
                                 {"detect": detect_s, "plan": plan_s}, plan.reason, fault_wall,
                                 max(0, newest - plan.restore_step), phase_start)
 
-    def _world(self, slots: dict[int, RankSlot], reports: Mapping[str, KeeperReport]) -> WorldView:
+    def _world(self, slots: dict[int, RankSlot], reports: Mapping[str, KeeperReport],
+               tiers: TierInventory) -> WorldView:
+        """The committed step is the newest of: the tracked commit point, the newest step
+        every rank has in a live keeper, and the newest complete tier step."""
         ranks = sorted(slots)
         return WorldView(
             generation=self.generation, world_size=self.cfg.job.world_size,
             rank_workers={r: slots[r].worker_id for r in ranks},
             worker_nodes={slots[r].worker_id: node_name(slots[r].node) for r in ranks},
             live_nodes=frozenset(node_name(n) for n in self.live_nodes),
-            committed_step=max(self.committed(), committed_step(reports, ranks, 0)))
+            committed_step=max(self.committed(), committed_step(reports, ranks, 0),
+                               *(max(steps) for steps in tiers.complete_steps.values() if steps)))
 
     def _fresh_reports(self) -> dict[str, KeeperReport]:
         """What every live keeper holds right now (etcd reports may be a heartbeat old)."""

@@ -77,7 +77,7 @@ class KeeperActor:
                 chunk_bytes=int(cfg.replication.chunk_mb * 2**20),
                 on_event=self._on_replica_event).start()
         self._membership = EtcdMembership(etcd_endpoints, job_prefix(cfg.etcd.prefix, cfg.job.name))
-        self._membership.connect()
+        self._membership.connect(retry_for_s=60)
         self._reporter = KeeperReporter(
             self._membership, node, self._report, cfg.etcd.heartbeat_s, cfg.etcd.lease_ttl_s,
             keeper_member(node, self._keeper.address, os.getpid())).start()

@@ -39,7 +39,7 @@ def start_services(cfg: PhalanxConfig, run: RunDir, stack: contextlib.ExitStack)
         etcd.start()
         endpoints = [etcd.endpoint]
     membership = EtcdMembership(endpoints, job_prefix(cfg.etcd.prefix, cfg.job.name),
-                                **_etcd_auth(cfg)).connect()
+                                **_etcd_auth(cfg)).connect(retry_for_s=cfg.etcd.startup_timeout_s)
     stack.callback(membership.close)
     for stale in membership.list_prefix(""):  # the launcher owns its job's namespace
         membership.delete(stale.key)

@@ -110,13 +110,23 @@ class EtcdMembership:
         """Our lease id, 0 when not joined."""
         return self._lease_id
 
-    def connect(self) -> "EtcdMembership":
-        """Connect to the first endpoint that answers a status call within ``timeout_s``.
+    def connect(self, retry_for_s: float = 0.0) -> "EtcdMembership":
+        """Connect to the first endpoint that answers a status call within ``timeout_s``,
+        trying again until ``retry_for_s`` has passed (a busy machine can delay the first
+        connection of many processes starting at once).
 
         Raises ``MembershipUnavailable`` naming every endpoint tried.
         """
-        self._conn()
-        return self
+        deadline = time.monotonic() + retry_for_s
+        while True:
+            try:
+                self._conn()
+                return self
+            except MembershipUnavailable as exc:
+                if self._closed or time.monotonic() >= deadline:
+                    raise
+                log.warning("event=etcd_connect_retry prefix=%s error=%s", self._prefix, exc)
+                time.sleep(0.5)
 
     def _conn(self) -> Any:
         with self._lock:

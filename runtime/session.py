@@ -91,7 +91,8 @@ class Session:
         torch.set_num_threads(ctx.torch_threads)
         if ctx.etcd_endpoints:
             self._membership = EtcdMembership(list(ctx.etcd_endpoints),
-                                              job_prefix(ctx.etcd_prefix, ctx.job)).connect()
+                                              job_prefix(ctx.etcd_prefix, ctx.job)).connect(
+                retry_for_s=ctx.group_timeout_s)
             self._watcher = GenerationWatcher(self._membership).start()
         if ctx.keeper_port:
             self._start_snapshots()

@@ -103,3 +103,31 @@ def test_no_spare_with_fail_policy_stops_cleanly_naming_the_fault(
     assert "PlanInfeasible" in result.stderr and "rank(s) [1]" in result.stderr
     assert "spare" in result.stderr
     assert_nothing_left(footprint)
+
+
+@pytest.mark.timeout(400)
+def test_killed_node_is_restored_from_replicas(tmp_path: Path, fault_free: LaunchResult) -> None:
+    result = launch("configs/demo.yaml", *JOB, "spares.count=2",
+                    "drills.scenario=configs/drills/kill_node.yaml", run_root=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.hashes == fault_free.hashes
+    events = events_of(result)
+    record = [e for e in events if e["event"] == "recovered"][0]
+    assert record["lost_steps"] <= 1
+    plan = [e for e in events if e["event"] == "plan"][0]
+    assert "Rollback" not in plan["actions"], "replicas must have been enough"
+    logs = worker_pids(run_dir_of(result))
+    assert {"rank_0_w0-g0", "rank_2_w2-g0"} <= set(logs)  # node 0's workers kept running
+
+
+@pytest.mark.timeout(400)
+def test_two_lost_nodes_roll_back_to_the_disk_checkpoint(tmp_path: Path,
+                                                          fault_free: LaunchResult) -> None:
+    result = launch("configs/demo.yaml", *JOB, "job.nodes=3", "ray.virtual_nodes=3",
+                    "spares.count=3", "drills.scenario=configs/drills/two_nodes.yaml",
+                    run_root=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.hashes == fault_free.hashes
+    plan = [e for e in events_of(result) if e["event"] == "plan"][0]
+    assert plan["actions"][0] == "Rollback" and plan["restore_step"] == 20
+    assert "RestoreFromTier" in plan["actions"]
