@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("config", help="YAML config file (e.g. configs/demo.yaml)")
     launch.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config key (repeatable)")
-    status = sub.add_parser("status", help="show the member table of a running job")
+    status = sub.add_parser("status", help="show members, snapshots and the commit point of a "
+                            "running job")
     status.add_argument("run_dir", nargs="?", help="run directory (default: the newest run)")
     drill = sub.add_parser("drill", help="run a job fault-free and with a drill scenario, "
                            "then check recovery time, lost steps and bit-identical results")
