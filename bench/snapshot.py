@@ -428,10 +428,11 @@ def notes(device: str, hash_gbps: dict[str, float]) -> list[str]:
             "stager, pageable memory), so its stall grows with the state.",
         ]
     return common + [
-        "CPU: there is no copy engine, so the copy into the slot runs on the training thread "
-        "and the phalanx stall is about state bytes / memcpy bandwidth; DCP async_save's stall "
-        "is its own staging copy into freshly allocated memory plus planning. The 20x stall "
-        "target is attainable only where the copy is asynchronous (GPU).",
+        "CPU: the copy into the slot runs on the snapshotter's background thread while the "
+        "next step's forward and backward run (the optimizer step and buffer-updating "
+        "forwards wait for it), so the stall is flattening the state plus the slot claim RPC; "
+        "'copy GB/s' is bytes / stall and is not a bandwidth. DCP async_save's stall is its "
+        "own synchronous staging copy into freshly allocated memory plus planning.",
     ]
 
 

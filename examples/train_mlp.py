@@ -43,6 +43,7 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
     session.register(model=model, optimizer=optimizer, scheduler=scheduler)
     with session:
+        started = time.perf_counter()
         while session.step_index < steps:
             with session.step() as step:
                 x, y = batch(seed, session.rank, step, batch_size)
@@ -56,9 +57,11 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
                 scheduler.step()
                 if sleep_per_step_s:
                     time.sleep(sleep_per_step_s)
+        seconds = time.perf_counter() - started
         digest = parameter_hash(model)
+    print(f"rank {session.rank} trained {steps} steps in {seconds:.3f} s", flush=True)
     print(f"rank {session.rank} final parameter hash {digest}", flush=True)
-    return {"hash": digest, "steps": steps, "loss": float(loss.detach())}
+    return {"hash": digest, "steps": steps, "loss": float(loss.detach()), "seconds": seconds}
 
 
 if __name__ == "__main__":

@@ -124,10 +124,16 @@ class Session:
             self._hook_optimizer(obj)
 
     def _hook_optimizer(self, obj: Any) -> None:
-        """CUDA snapshots copy on a side stream: an optimizer step must wait for that copy."""
-        if self._snapshotter is not None and isinstance(obj, torch.optim.Optimizer):
-            snapshotter = self._snapshotter
+        """Snapshots copy the live tensors in the background while the next step's forward
+        and backward run: an optimizer step, and the forward of a module that updates
+        buffers in place (BatchNorm statistics), first wait for that copy to finish."""
+        snapshotter = self._snapshotter
+        if snapshotter is None:
+            return
+        if isinstance(obj, torch.optim.Optimizer):
             obj.register_step_pre_hook(lambda *_: snapshotter.wait_for_copy())
+        elif isinstance(obj, torch.nn.Module) and any(True for _ in obj.buffers()):
+            obj.register_forward_pre_hook(lambda *_: snapshotter.wait_for_copy())
 
     def close(self) -> None:
         """Publish the last snapshot, leave membership and stop the heartbeat; groups are

@@ -93,6 +93,8 @@ class Snapshotter:
         self._cuda_stream: Any = None
         self._cuda_event: Any = None
         self._last_capture_step = -1
+        self._copied = threading.Event()
+        self._copied.set()
         self._lock = threading.Lock()
         self.stats = SnapshotStats()
 
@@ -123,17 +125,26 @@ class Snapshotter:
         slot, path = self._client.claim(self._rank)
         buf = memoryview(self._maps[path])[:layout.total_bytes]
         cuda = any(t.is_cuda for t in tensors.values())
-        write_into(buf, layout, tensors, non_blocking=cuda, stream=self._stream() if cuda else None)
-        event = self._record_event() if cuda else None
+        event = None
+        if cuda:  # device-to-host copies enqueued on a side stream; an event marks the end
+            write_into(buf, layout, tensors, non_blocking=True, stream=self._stream())
+            event = self._record_event()
+        else:  # the copy itself runs on the background thread; see wait_for_copy
+            self._copied.clear()
         stall = time.perf_counter() - started
-        self._pending = self._pool.submit(self._publish, step, slot, buf, layout, spec, event, stall)
+        self._pending = self._pool.submit(self._publish, step, slot, buf, layout, spec, event,
+                                          stall, None if cuda else tensors)
         self._last_capture_step = step
         self.stats.last_stall_s = stall
         return stall
 
     def wait_for_copy(self) -> None:
-        """Make the current CUDA stream wait for the last device-to-host copy (called before
-        anything modifies the captured tensors, e.g. an optimizer step)."""
+        """Block until the last capture's bytes are copied out of the live tensors (CPU), or
+        make the current CUDA stream wait for the device-to-host copy. Called before anything
+        modifies captured tensors in place: an optimizer step, a forward that updates buffers
+        (BatchNorm statistics), the next capture."""
+        if not self._copied.is_set():
+            self._copied.wait()
         if self._cuda_event is not None:
             torch.cuda.current_stream().wait_event(self._cuda_event)
 
@@ -171,8 +182,14 @@ class Snapshotter:
         return layout
 
     def _publish(self, step: int, slot: int, buf: memoryview, layout: SnapshotLayout,
-                 spec: dict, event: Any, stall: float) -> None:
+                 spec: dict, event: Any, stall: float,
+                 cpu_tensors: Mapping[str, torch.Tensor] | None) -> None:
         started = time.perf_counter()
+        if cpu_tensors is not None:
+            try:
+                write_into(buf, layout, cpu_tensors)
+            finally:
+                self._copied.set()
         if event is not None:
             event.synchronize()
         sums = checksums(buf, layout, algo=self._algo)
