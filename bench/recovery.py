@@ -395,6 +395,11 @@ def plot(path: Path, cells: list[dict[str, Any]]) -> bool:
         values = [max(0.0, c["phases"][phase] or 0.0) for c in cells]
         ax.bar(range(len(cells)), values, 0.6, bottom=bottoms, label=phase)
         bottoms = [b + v for b, v in zip(bottoms, values)]
+    totals = [(i, c["kill_to_first_step_s"]) for i, c in enumerate(cells)
+              if c["kill_to_first_step_s"] is not None]
+    if totals:  # the phase medians need not add up to the median total: mark it
+        ax.scatter([i for i, _ in totals], [v for _, v in totals], marker="_", s=900,
+                   color="black", zorder=3, label="median kill→first step")
     for i, c in enumerate(cells):
         if c["kill_to_first_step_s"] is None:
             ax.text(i, 0, "failed", ha="center", va="bottom", color="red")

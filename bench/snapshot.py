@@ -11,9 +11,9 @@ process, one line of progress per measurement:
               Snapshotter, once per checksum algorithm (sha256, the default and the only one
               the manifest HMAC makes tamper-proof, and crc32 for comparison).
               stall = ``capture()``'s return value; landed = until the bytes are in the slot
-              (CUDA: after ``torch.cuda.synchronize()``; CPU: = stall, the copy is
-              synchronous); complete = until ``flush()`` returns (checksummed, manifest
-              signed, published to the keeper). One warm-up capture allocates the slots.
+              (``wait_for_copy()``, then ``torch.cuda.synchronize()`` on CUDA); complete =
+              until ``flush()`` returns (checksummed, manifest signed, published to the
+              keeper). One warm-up capture allocates the slots.
 * torch.save — ``torch.save(model.state_dict())`` to a file in ``--shm-dir``
               (stall = completion = the whole save).
 * dcp_async — ``torch.distributed.checkpoint.async_save({"model": model})`` into a fresh
@@ -156,11 +156,11 @@ class PhalanxRun:
         self.step += 1
         started = time.perf_counter()
         stall = self.snap.capture(self.step, self.objects)
-        if self.device == "cuda":
-            torch.cuda.synchronize()            # the side-stream D2H copy has landed
-            landed = time.perf_counter() - started
-        else:
-            landed = stall                      # CPU copies finish inside capture()
+        # until the bytes are out of the live tensors: CPU, the background thread's copy
+        # (wait_for_copy blocks); CUDA, the side-stream D2H copy (wait + synchronize)
+        self.snap.wait_for_copy()
+        _sync(self.device)
+        landed = time.perf_counter() - started
         self.snap.flush()
         return stall, landed, time.perf_counter() - started
 
@@ -405,9 +405,9 @@ def table(results: list[dict[str, Any]], device: str) -> str:
 
 def notes(device: str, hash_gbps: dict[str, float]) -> list[str]:
     common = [
-        "complete = capture start until flush() returns: copy into the keeper's slot, then on "
-        "the Snapshotter's one background thread the per-tensor checksums (one thread), the "
-        "manifest (HMAC-signed) and the publish RPC to the keeper.",
+        "complete = capture start until flush() returns: the copy into the keeper's slot, "
+        "then, on the Snapshotter's one background thread, the per-tensor checksums (one "
+        "thread), the manifest (HMAC-signed) and the publish RPC to the keeper.",
         "sha256 (the default) vs crc32: the manifest HMAC only authenticates the checksums, so "
         "only a cryptographic checksum makes the payload tamper-evident; crc32 catches bit rot "
         "but not forgery. crc32 is faster per core, so its completion throughput is higher; "
@@ -431,8 +431,9 @@ def notes(device: str, hash_gbps: dict[str, float]) -> list[str]:
         "CPU: the copy into the slot runs on the snapshotter's background thread while the "
         "next step's forward and backward run (the optimizer step and buffer-updating "
         "forwards wait for it), so the stall is flattening the state plus the slot claim RPC; "
-        "'copy GB/s' is bytes / stall and is not a bandwidth. DCP async_save's stall is its "
-        "own synchronous staging copy into freshly allocated memory plus planning.",
+        "'copy GB/s' is bytes / (capture start until wait_for_copy() returns), compare it "
+        "with memcpy. DCP async_save's stall is its own synchronous staging copy into freshly "
+        "allocated memory plus planning.",
     ]
 
 

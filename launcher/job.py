@@ -91,11 +91,11 @@ class JobRunner:
                 lambda slot, gen, restore: self._launch(run, slot, gen, restore), events,
                 str(run.path))
             coordinator.fence_initial()
+            events.emit("started", world_size=self.cfg.job.world_size, nodes=self.cfg.job.nodes,
+                        spares=self.cfg.spares.count)
             slots = self._start_workers(run)
             if self.keepers:
                 coordinator.place(slots)
-            events.emit("started", world_size=self.cfg.job.world_size, nodes=self.cfg.job.nodes,
-                        spares=self.cfg.spares.count)
             results = self._watch(run, slots, coordinator)
             holdings = self._keeper_holdings(coordinator.live_nodes)
             events.emit("finished", recoveries=coordinator.recoveries)
