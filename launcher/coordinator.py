@@ -148,7 +148,6 @@ class RecoveryCoordinator:
         if plan.aborted or plan.waiting:
             self.phases.transition(Phase.FAILED, plan.reason)
             raise PlanInfeasible(plan.reason)
-        plan_s = self.phases.history[-1].duration_s if self.phases.history else 0.0
         self.phases.transition(Phase.FENCING, f"generation {plan.generation}")
         self._fence(plan, reports, slots)
         self.phases.transition(Phase.PROMOTING, "plan published")
@@ -159,7 +158,7 @@ class RecoveryCoordinator:
         newest = max((max(steps) for report in reports.values()
                       for steps in report.local.values() if steps), default=plan.restore_step)
         self.pending = Recovery(plan.generation, plan.restore_step, root.observed_at, root,
-                                {"detect": detect_s, "plan": plan_s}, plan.reason, fault_wall,
+                                {"detect": detect_s}, plan.reason, fault_wall,
                                 max(0, newest - plan.restore_step), phase_start)
 
     def _world(self, slots: dict[int, RankSlot], reports: Mapping[str, KeeperReport],

@@ -225,7 +225,8 @@ class JobRunner:
                                       finished=self._finished_workers)
                 results.update(polled.finished)
                 for sample in polled.progress:
-                    stall.observe(sample)
+                    if sample.step > 0:  # setting up the first step is not a stall
+                        stall.observe(sample)
                 faults = self._classify(polled, slots, coordinator, stall)
                 if faults:
                     if not cfg.recovery.enabled:
