@@ -129,5 +129,8 @@ def test_two_lost_nodes_roll_back_to_the_disk_checkpoint(tmp_path: Path,
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.hashes == fault_free.hashes
     plan = [e for e in events_of(result) if e["event"] == "plan"][0]
-    assert plan["actions"][0] == "Rollback" and plan["restore_step"] == 20
-    assert "RestoreFromTier" in plan["actions"]
+    # a lost rank's only replica died too: every rank resumes from the disk checkpoint
+    # (tiers.disk.every_steps=20), either as an explicit Rollback or because the committed
+    # step is the checkpoint itself
+    assert plan["restore_step"] == 20, plan
+    assert "RestoreFromTier" in plan["actions"], plan
