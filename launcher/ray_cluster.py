@@ -59,7 +59,9 @@ class LocalRay:
             self._cluster = Cluster(initialize_head=True, connect=False,
                                     head_node_args=self._head_args())
             for index in range(self._cfg.virtual_nodes):
-                self._nodes[index] = self._cluster.add_node(wait=False, **self._node_args(index))
+                # one raylet at a time: each starts its own agents, and starting them all at
+                # once on a 2-core machine can starve the GCS past Ray's start-up deadlines
+                self._nodes[index] = self._cluster.add_node(wait=True, **self._node_args(index))
             self._cluster.wait_for_nodes(timeout=60)
             ray.init(address=self._cluster.address, log_to_driver=self._log_to_driver,
                      _node_ip_address="127.0.0.1",
