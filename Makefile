@@ -21,5 +21,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
+bench: $(STAMP)
+	$(PY) bench/snapshot.py
+	$(PY) bench/replication.py
+	$(PY) bench/recovery.py
+
 clean:
 	rm -rf .phalanx .pytest_cache .hypothesis
