@@ -58,15 +58,16 @@ class LocalRay:
         try:
             self._cluster = Cluster(initialize_head=True, connect=False,
                                     head_node_args=self._head_args())
+            # connect while the head is the only raylet on 127.0.0.1, so the driver attaches
+            # to it and not to whichever virtual node answers first
+            ray.init(address=self._cluster.address, log_to_driver=self._log_to_driver,
+                     _node_ip_address="127.0.0.1", logging_level=logging.WARNING,
+                     configure_logging=False, include_dashboard=False)
             for index in range(self._cfg.virtual_nodes):
                 # one raylet at a time: each starts its own agents, and starting them all at
                 # once on a 2-core machine can starve the GCS past Ray's start-up deadlines
                 self._nodes[index] = self._cluster.add_node(wait=True, **self._node_args(index))
             self._cluster.wait_for_nodes(timeout=60)
-            ray.init(address=self._cluster.address, log_to_driver=self._log_to_driver,
-                     _node_ip_address="127.0.0.1",
-                     logging_level=logging.WARNING, configure_logging=False,
-                     include_dashboard=False)
         except Exception as exc:  # process boundary: any Ray failure becomes one typed error
             self.close()
             raise ServiceStartError(f"local Ray did not start: {exc}") from exc

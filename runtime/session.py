@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from configs.errors import LeaseLost, MembershipUnavailable
+from configs.errors import LeaseLost, MembershipUnavailable, StaleGeneration
 from runtime.base import MemberRecord
 from runtime.collective import Collective, CollectiveAborted
 from runtime.context import WorkerContext
@@ -226,7 +226,10 @@ class Session:
         if snapshotter is not None:
             snapshotter.observe_step(time.perf_counter() - started)
             if snapshotter.due(self._progress.step_index):
-                snapshotter.capture(self._progress.step_index, self._objects)
+                try:
+                    snapshotter.capture(self._progress.step_index, self._objects)
+                except StaleGeneration as exc:  # the keeper already serves a newer generation
+                    self._recover(f"snapshot fenced: {exc}")
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over every rank of the current generation; raises
