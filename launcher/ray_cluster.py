@@ -52,6 +52,18 @@ class LocalRay:
         return len(self._nodes)
 
     def start(self) -> "LocalRay":
+        """Start the cluster; one more attempt from scratch when Ray's own start-up times
+        out (seen on a loaded 2-core machine: the GCS misses a node-info deadline)."""
+        for attempt in (1, 2):
+            try:
+                return self._start_once()
+            except ServiceStartError as exc:
+                if attempt == 2:
+                    raise
+                log.warning("event=ray_start_retry error=%s", str(exc).splitlines()[0][:200])
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "LocalRay":
         # Ray's unix socket paths must stay short: a private dir directly under /tmp.
         self._temp_dir = Path(tempfile.mkdtemp(prefix="phx-ray-", dir="/tmp"))
         started = time.monotonic()
