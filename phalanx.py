@@ -4,6 +4,7 @@ from configs.errors import (ConfigError, FatalError, LeaseLost, MembershipUnavai
                             SnapshotNotFound, SnapshotUnauthenticated, SparePoolExhausted,
                             TierUnavailable, TransientError, WorkerFailed)
 from runtime.context import WorkerContext
+from runtime.dcp_storage import TieredStorageReader, TieredStorageWriter
 from runtime.session import Session
 from runtime.state_tree import RNGState
 
@@ -11,5 +12,6 @@ __all__ = [
     "ConfigError", "FatalError", "LeaseLost", "MembershipUnavailable", "PeerUnreachable",
     "PhalanxError", "PlanInfeasible", "RNGState", "Session", "SnapshotCorrupt",
     "SnapshotNotFound", "SnapshotUnauthenticated", "SparePoolExhausted", "TierUnavailable",
-    "TransientError", "WorkerContext", "WorkerFailed",
+    "TieredStorageReader", "TieredStorageWriter", "TransientError", "WorkerContext",
+    "WorkerFailed",
 ]
