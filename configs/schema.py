@@ -104,8 +104,10 @@ class RayConfig:
     virtual_nodes: int = doc("raylets of the local Ray, each with resource phalanx_node_<i>", 2)
     cpus_per_node: float = doc("logical CPUs each virtual node offers", 2.0)
     object_store_mb: int = doc("object store size per virtual node, MiB", 80)
-    health_check_period_ms: int = doc("how often Ray checks raylets (fast node-death detection)", 200)
-    health_check_failure_threshold: int = doc("missed checks before a node is declared dead", 3)
+    health_check_period_ms: int = doc("how often Ray checks raylets (node death is declared after "
+                                      "period x threshold)", 500)
+    health_check_failure_threshold: int = doc("missed checks before a node is declared dead "
+                                              "(too low and a busy machine loses healthy nodes)", 5)
 
     def __post_init__(self) -> None:
         _require(self.virtual_nodes >= 1, "ray.virtual_nodes", f"{self.virtual_nodes} is below 1",
