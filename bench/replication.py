@@ -47,6 +47,7 @@ def overhead(steps: int, repeats: int) -> dict:
     job = ["job.world_size=2", "spares.count=0", f"job.args.steps={steps}",
            "job.args.sleep_per_step_s=0", "tiers.disk.enabled=false"]
     modes = {"snapshots off": ["snapshot.enabled=false"],
+             "snapshots only (auto)": ["snapshot.every_steps=auto", "replication.enabled=false"],
              "snapshots + replication (auto)": ["snapshot.every_steps=auto"],
              "snapshots + replication (every step)": ["snapshot.every_steps=1"]}
     samples: dict[str, list[float]] = {name: [] for name in modes}

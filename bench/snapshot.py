@@ -4,12 +4,12 @@
 For each state size (an MLP-like ``nn.Module`` of 16 float32 tensors), measured in this
 process, one line of progress per measurement:
 
-* limit     — CPU: memcpy (torch ``copy_`` between two already-touched buffers of the state's
-              size); CUDA: pinned device-to-host copy (``copy_(non_blocking=True)`` into a
-              pinned host tensor, then ``synchronize``).
+* limit     — every state tensor copied (torch ``copy_``) into one preallocated, already
+              touched buffer: CPU memcpy; CUDA: pinned device-to-host copy
+              (``copy_(non_blocking=True)`` into pinned memory, then ``synchronize``).
 * phalanx   — a real Keeper (unique job, slots in ``--shm-dir``) + KeeperClient +
-              Snapshotter, once per checksum algorithm (sha256, the default and the only one
-              the manifest HMAC makes tamper-proof, and crc32 for comparison).
+              Snapshotter, once per checksum algorithm (xxh3, the default; blake3 and sha256,
+              the cryptographic ones that make the HMAC-signed manifest cover every byte).
               stall = ``capture()``'s return value; landed = until the bytes are in the slot
               (``wait_for_copy()``, then ``torch.cuda.synchronize()`` on CUDA); complete =
               until ``flush()`` returns (checksummed, manifest signed, published to the
@@ -21,10 +21,12 @@ process, one line of progress per measurement:
               fails); each save is waited for before the next. stall = until async_save
               returns; complete = until its future is done.
 
-Every system is set up once per size and warmed up once; then the repeats run round-robin
-(limit, phalanx sha256, phalanx crc32, torch.save, DCP, limit, ...), so load from other
-processes skews all of them alike; medians over ``--repeats``. Also measured: one core's
-sha256 and crc32 speed, which bounds the completion throughput (checksums run on one thread).
+Every system is set up once per size and warmed up once; then the repeats run round-robin,
+the order rotated by one every repeat (limit, phalanx per algorithm, torch.save, DCP; then
+phalanx first, ...), so load from other processes and a cold cache skew all of them alike,
+and each measurement starts right after the state was rewritten in place (as after an
+optimizer step); medians over ``--repeats``. Also measured: one core's speed for
+each checksum, which bounds the completion throughput.
 
 Writes ``<out>/snapshot[_cuda].json`` and ``.png`` (when matplotlib is importable) and prints
 a markdown table and PASS/MISS per target; a missed target never fails the process. The
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import logging
 import math
 import os
@@ -46,9 +47,8 @@ import tempfile
 import time
 import uuid
 import warnings
-import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -59,13 +59,14 @@ from torch import nn  # noqa: E402
 
 from bench.common import (MiB, bar_chart, gbps, machine_info, markdown_table, median,  # noqa: E402
                           progress, summary, verdict, write_json)
+from runtime.checksum import Span, digest_spans  # noqa: E402
 from runtime.keeper import Keeper  # noqa: E402
 from runtime.keeper_wire import KeeperClient  # noqa: E402
 from runtime.snapshotter import SnapshotPolicy, Snapshotter  # noqa: E402
 
 SCHEMA_VERSION = 1
 LAYERS = 8                      # 8 Linear layers -> 16 tensors (weight + bias each)
-ALGOS = ("sha256", "crc32")
+ALGOS = ("xxh3", "blake3", "sha256")
 CPU_TARGETS = {"stall_ratio_dcp_over_phalanx_min": 20.0, "throughput_vs_limit_min": 0.70}
 CUDA_TARGETS = {"stall_ms_per_4GiB_max": 5.0, "throughput_vs_limit_min": 0.85}
 
@@ -107,36 +108,43 @@ def _label(size_mib: int) -> str:
 
 
 # ----- the four systems ---------------------------------------------------------------------
-# Each is set up once per size, warmed up once, then the repeats run round-robin (limit,
-# phalanx sha256, phalanx crc32, torch.save, DCP, limit, ...) so that load from other
-# processes on the machine skews every system alike rather than one of them.
+# Each is set up once per size, warmed up once, then the repeats run round-robin in a
+# rotating order (see the module docstring) so that load from other processes on the
+# machine skews every system alike rather than one of them.
 
 class CopyLimit:
-    """The copy ceiling for this state size: CPU memcpy or pinned device-to-host copy, both
-    between preallocated, already-touched buffers."""
+    """The copy ceiling for this state: every tensor of the state copied (torch ``copy_``,
+    all intra-op threads) into one preallocated, already-touched buffer — anonymous memory
+    on CPU, pinned memory for CUDA (device-to-host, then ``synchronize``)."""
 
-    def __init__(self, nbytes: int, device: str) -> None:
-        n = nbytes // 4
-        self.nbytes, self.device = n * 4, device
-        if device == "cuda":
-            self.src = torch.empty(n, device="cuda").normal_()
-            self.dst = torch.empty(n, pin_memory=True)
-            self.kind = "pinned_d2h"
-        else:
-            self.src = torch.empty(n).fill_(1.0)
-            self.dst = torch.empty(n)
-            self.kind = "memcpy"
-        self.dst.zero_()
-        _sync(device)
+    def __init__(self, state: dict[str, torch.Tensor], device: str) -> None:
+        self.state, self.device = state, device
+        self.nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        self.dst = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+        self.kind = "pinned_d2h" if device == "cuda" else "memcpy"
 
     def run(self) -> float:
         started = time.perf_counter()
-        self.dst.copy_(self.src, non_blocking=self.device == "cuda")
+        offset = 0
+        for t in self.state.values():
+            n = t.numel() * t.element_size()
+            self.dst[offset:offset + n].copy_(t.view(-1).view(torch.uint8),
+                                              non_blocking=self.device == "cuda")
+            offset += n
         _sync(self.device)
         return time.perf_counter() - started
 
     def close(self) -> None:
-        del self.src, self.dst
+        del self.state, self.dst
+
+
+def touch(model: nn.Module, device: str) -> None:
+    """Rewrite every state tensor in place (x * 1, bit-exact), as an optimizer step does,
+    so each measured copy starts from the same cache and thread state."""
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.mul_(1)
+    _sync(device)
 
 
 class PhalanxRun:
@@ -220,14 +228,14 @@ def dcp_once(model: nn.Module, path: str) -> tuple[float, float]:
 
 def checksum_speed(nbytes: int = 16 * MiB, repeats: int = 3) -> dict[str, float]:
     """GB/s of one core hashing an in-memory buffer (best of ``repeats``), per algorithm."""
-    data = memoryview(os.urandom(nbytes))
-    digest = {"sha256": lambda: hashlib.sha256(data).digest(), "crc32": lambda: zlib.crc32(data)}
+    data = bytearray(os.urandom(nbytes))
+    spans = [Span("x", 0, nbytes)]
     speed = {}
     for algo in ALGOS:
         best = math.inf
         for _ in range(repeats):
             started = time.perf_counter()
-            digest[algo]()
+            digest_spans(data, spans, {"x": algo})
             best = min(best, time.perf_counter() - started)
         speed[algo] = gbps(nbytes, best)
     return speed
@@ -236,8 +244,8 @@ def checksum_speed(nbytes: int = 16 * MiB, repeats: int = 3) -> dict[str, float]
 # ----- one size, whole run ------------------------------------------------------------------
 
 def _algos_that_fit(nbytes: int, shm_dir: str, tag: str) -> tuple[str, ...]:
-    """Both checksum algos need 2 slots each in shm_dir, plus a torch.save file and a DCP
-    checkpoint; with too little room only sha256 (the default) is measured."""
+    """Each checksum algo needs 2 slots in shm_dir, plus a torch.save file and a DCP
+    checkpoint; with too little room only xxh3 (the default) is measured."""
     free = shutil.disk_usage(shm_dir).free
 
     def need(algos: int) -> float:
@@ -246,10 +254,34 @@ def _algos_that_fit(nbytes: int, shm_dir: str, tag: str) -> tuple[str, ...]:
     if free >= need(len(ALGOS)):
         return ALGOS
     if free >= need(1):
-        progress(f"{tag} only {free / MiB:.0f} MiB free in {shm_dir}: measuring sha256 only")
+        progress(f"{tag} only {free / MiB:.0f} MiB free in {shm_dir}: measuring xxh3 only")
         return ALGOS[:1]
     raise SystemExit(f"{shm_dir} has {free / MiB:.0f} MiB free, the {nbytes / MiB:.0f} MiB "
                      f"state needs {need(1) / MiB:.0f} MiB; pass --shm-dir on a larger tmpfs")
+
+
+def _measure(kind: str, run: PhalanxRun | None, rep: str, model: nn.Module, limit: CopyLimit,
+             tmp: str, i: int, add: Callable[[str, float], None], nbytes: int) -> None:
+    if kind == "limit":
+        took = limit.run()
+        add("limit", took)
+        progress(f"{rep} {limit.kind:<15} {took * 1e3:9.1f} ms ({gbps(nbytes, took):6.2f} GB/s)")
+    elif kind == "phalanx":
+        assert run is not None
+        stall, landed, done = run.run()
+        add(f"{run.algo}_stall", stall), add(f"{run.algo}_landed", landed)
+        add(f"{run.algo}_complete", done)
+        progress(f"{rep} phalanx/{run.algo:<7} {done * 1e3:9.1f} ms "
+                 f"({gbps(nbytes, done):6.2f} GB/s), stall {stall * 1e3:.2f} ms")
+    elif kind == "torch_save":
+        took = torch_save_once(model, os.path.join(tmp, "state.pt"))
+        add("torch_save", took)
+        progress(f"{rep} torch.save      {took * 1e3:9.1f} ms ({gbps(nbytes, took):6.2f} GB/s)")
+    else:
+        stall, done = dcp_once(model, os.path.join(tmp, f"dcp{i}"))
+        add("dcp_stall", stall), add("dcp_complete", done)
+        progress(f"{rep} dcp.async_save  {done * 1e3:9.1f} ms ({gbps(nbytes, done):6.2f} "
+                 f"GB/s), stall {stall * 1e3:.2f} ms")
 
 
 def bench_size(size_mib: int, device: str, repeats: int, shm_dir: str) -> dict[str, Any]:
@@ -275,7 +307,7 @@ def bench_size(size_mib: int, device: str, repeats: int, shm_dir: str) -> dict[s
         s.setdefault(key, []).append(value)
 
     try:
-        limit = CopyLimit(nbytes, device)
+        limit = CopyLimit(model.state_dict(), device)
         keeper = Keeper("bench", job, secret, shm_dir, slots=2).start()
         # every Snapshotter stays open until the end, so no slot mapping (CUDA-registered
         # on GPUs) is unmapped and mapped again at the same address
@@ -290,23 +322,13 @@ def bench_size(size_mib: int, device: str, repeats: int, shm_dir: str) -> dict[s
                  f"save of each): " + ", ".join(f"{k} {v:.2f} s" for k, v in warm.items()))
         for i in range(1, repeats + 1):
             rep = f"{tag} rep {i}/{repeats}"
-            took = limit.run()
-            add("limit", took)
-            progress(f"{rep} {limit.kind:<15} {took * 1e3:9.1f} ms "
-                     f"({gbps(nbytes, took):6.2f} GB/s)")
-            for run in runs:
-                stall, landed, done = run.run()
-                add(f"{run.algo}_stall", stall), add(f"{run.algo}_landed", landed)
-                add(f"{run.algo}_complete", done)
-                progress(f"{rep} phalanx/{run.algo:<7} {done * 1e3:9.1f} ms "
-                         f"({gbps(nbytes, done):6.2f} GB/s), stall {stall * 1e3:.2f} ms")
-            took = torch_save_once(model, os.path.join(tmp, "state.pt"))
-            add("torch_save", took)
-            progress(f"{rep} torch.save      {took * 1e3:9.1f} ms ({gbps(nbytes, took):6.2f} GB/s)")
-            stall, done = dcp_once(model, os.path.join(tmp, f"dcp{i}"))
-            add("dcp_stall", stall), add("dcp_complete", done)
-            progress(f"{rep} dcp.async_save  {done * 1e3:9.1f} ms ({gbps(nbytes, done):6.2f} "
-                     f"GB/s), stall {stall * 1e3:.2f} ms")
+            # rotate the order every repeat so no system always runs first (on a cold cache)
+            order = [("limit", None)] + [("phalanx", run) for run in runs] + \
+                [("torch_save", None), ("dcp", None)]
+            shift = (i - 1) % len(order)
+            for kind, run in order[shift:] + order[:shift]:
+                touch(model, device)
+                _measure(kind, run, rep, model, limit, tmp, i, add, nbytes)
         result["limit"] = {"kind": limit.kind, "seconds": summary(s["limit"]),
                            "gbps": gbps(nbytes, median(s["limit"])),
                            "best_gbps": gbps(nbytes, min(s["limit"])),
@@ -405,17 +427,16 @@ def table(results: list[dict[str, Any]], device: str) -> str:
 
 def notes(device: str, hash_gbps: dict[str, float]) -> list[str]:
     common = [
-        "complete = capture start until flush() returns: the copy into the keeper's slot, "
-        "then, on the Snapshotter's one background thread, the per-tensor checksums (one "
-        "thread), the manifest (HMAC-signed) and the publish RPC to the keeper.",
-        "sha256 (the default) vs crc32: the manifest HMAC only authenticates the checksums, so "
-        "only a cryptographic checksum makes the payload tamper-evident; crc32 catches bit rot "
-        "but not forgery. crc32 is faster per core, so its completion throughput is higher; "
-        "the training stall is the same for both (checksums run in the background).",
-        "The checksum pass is single-threaded and runs at one core's hash speed (measured in "
-        "this run: " + ", ".join(f"{a} {v:.2f} GB/s" for a, v in hash_gbps.items()) + "); "
-        "with the copy before it, complete time = bytes/copy + bytes/hash, so the completion "
-        "throughput stays below that hash speed and far below a memory or PCIe copy.",
+        "complete = capture start until flush() returns: the copy into the keeper's slot "
+        "fused with the per-tensor checksums (each chunk hashed right after it is copied, on "
+        "as many threads as torch's intra-op threads), the manifest (HMAC-signed) and the "
+        "publish RPC to the keeper.",
+        "xxh3 (the default) vs blake3 vs sha256: the manifest HMAC authenticates the "
+        "checksums, so only a cryptographic checksum (blake3, sha256) makes every tensor byte "
+        "tamper-evident; xxh3 (128-bit) catches corruption but not deliberate forgery. The "
+        "training stall is the same for all (checksums run in the background); completion "
+        "throughput follows the hash speed (one core, measured in this run: "
+        + ", ".join(f"{a} {v:.2f} GB/s" for a, v in hash_gbps.items()) + ").",
         "torch.save and DCP write fresh tmpfs pages on every save (page faults); phalanx "
         "reuses two pre-faulted slots.",
     ]

@@ -131,6 +131,10 @@ class SnapshotConfig:
     slots: int = doc("snapshot buffers per rank in its node keeper: 2 double-buffer; a 3rd lets "
                      "persistence and replication read one while training writes", 3)
     shm_dir: str = doc("shared-memory folder for keeper-owned snapshot buffers", "/dev/shm")
+    checksum: Literal["xxh3", "blake3", "sha256"] = doc(
+        "per-tensor checksum: xxh3 (fastest; catches corruption) or blake3/sha256 "
+        "(cryptographic: with the job secret the manifest HMAC then authenticates every "
+        "tensor byte, not only the manifest)", "xxh3")
     rank_size_mb: float = doc("expected snapshot size per rank (MiB): the launcher refuses to "
                               "start when shared memory cannot hold slots + replicas; 0 = "
                               "checked by the keeper at the first snapshot", 0.0)
@@ -167,16 +171,28 @@ class ReplicationConfig:
                  "use e.g. 10")
 
 
+_EVERY_S_DOC = ("also persist once per wall-clock window of this many seconds (windows "
+                "start at multiples of it, the same on every node); 0 = steps only")
+
+
+def _check_every_s(value: float, key: str) -> None:
+    _require(value >= 0, key, f"{value} is not a number of seconds >= 0",
+             "use 0 (persist by every_steps only) or a number of seconds, e.g. 1800")
+
+
 @dataclass(frozen=True)
 class DiskTierConfig:
     enabled: bool = doc("persist committed steps to local disk", True)
     path: str = doc("folder of the disk tier; empty = <run dir>/checkpoints", "")
-    every_steps: int = doc("persist every this many committed steps", 50)
+    every_steps: int = doc("persist the first snapshot step of every window of this many "
+                           "steps", 50)
+    every_s: float = doc(_EVERY_S_DOC, 0.0)
     keep: int = doc("complete steps kept", 2)
 
     def __post_init__(self) -> None:
         _require(self.every_steps >= 1, "tiers.disk.every_steps", f"{self.every_steps} is below 1",
                  "use e.g. 50")
+        _check_every_s(self.every_s, "tiers.disk.every_s")
         _require(self.keep >= 1, "tiers.disk.keep", f"{self.keep} is below 1", "keep at least 1")
 
 
@@ -187,13 +203,16 @@ class S3TierConfig:
     prefix: str = doc("key prefix inside the bucket", "phalanx")
     endpoint_url: str = doc("S3 endpoint (empty = AWS)", "")
     region: str = doc("S3 region", "us-east-1")
-    every_steps: int = doc("persist every this many committed steps", 200)
+    every_steps: int = doc("persist the first snapshot step of every window of this many "
+                           "steps", 200)
+    every_s: float = doc(_EVERY_S_DOC, 0.0)
     keep: int = doc("complete steps kept", 2)
     expected_owner: str = doc("AWS account id sent as ExpectedBucketOwner on every request", "")
     sse: str = doc("server-side encryption: '', 'AES256' or 'aws:kms'", "")
     sse_kms_key_id: str = doc("KMS key id when sse is aws:kms", "")
 
     def __post_init__(self) -> None:
+        _check_every_s(self.every_s, "tiers.s3.every_s")
         if not self.enabled:
             return
         _require(bool(self.bucket), "tiers.s3.bucket", "is required when tiers.s3.enabled is true",

@@ -404,7 +404,8 @@ def _verify(access: Access, step: int | None, secret: bytes | None, console: Con
             out: TextIO, as_json: bool) -> int:
     listing = _pick_step(access, step)
     verdicts = verify_step(access.tier, listing, secret)
-    ok = all(v.ok for v in verdicts)
+    # a partial step (no commit marker) is not restorable, however sound its ranks are
+    ok = all(v.ok for v in verdicts) and listing.committed
     if as_json:
         out.write(json.dumps({"tier": listing.tier, "location": listing.location,
                               "step": listing.step, "committed": listing.committed,
@@ -433,6 +434,10 @@ def _print_verdicts(listing: StepListing, verdicts: list[RankVerdict], hmac_chec
     console.print(f"tier {listing.tier} step {listing.step}: {good}/{len(verdicts)} ranks OK; "
                   + ("HMAC checked" if hmac_checked else "HMAC not checked (no secret file)"),
                   highlight=False, soft_wrap=True)
+    if not listing.committed:
+        console.print(f"[red]partial:[/red] step {listing.step} has no commit marker (some rank "
+                      "never finished writing): it is not restorable; verify a committed step",
+                      highlight=False, soft_wrap=True)
 
 
 def _export(access: Access, step: int, secret: bytes | None, out_dir: Path, force: bool,

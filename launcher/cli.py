@@ -5,7 +5,6 @@ import argparse
 import logging
 import sys
 import traceback
-from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console

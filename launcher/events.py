@@ -28,16 +28,26 @@ class EventLog:
         self.events: list[dict[str, Any]] = []
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Append to events.jsonl and put under ``events/`` in etcd."""
+        return self._write(event, fields, to_etcd=True)
+
+    def record(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Append to events.jsonl only: routine per-node events (a tier write done) whose
+        etcd copies would grow with nodes x steps."""
+        return self._write(event, fields, to_etcd=False)
+
+    def _write(self, event: str, fields: dict[str, Any], to_etcd: bool) -> dict[str, Any]:
         record = {"time": time.time(), "event": event, **fields}
         line = json.dumps(record, sort_keys=True, default=str)
         with self._lock:
-            self._serial += 1
+            if to_etcd:  # numbers only the etcd copies, so the bound below stays exact
+                self._serial += 1
             serial = self._serial
             self.events.append(record)
             with self._path.open("a", encoding="utf-8") as handle:
                 handle.write(line + "\n")
         log.info("event=%s %s", event, " ".join(f"{k}={v!r}" for k, v in fields.items()))
-        if self._membership is not None:
+        if to_etcd and self._membership is not None:
             try:
                 self._membership.put(f"{EVENTS_PREFIX}{serial:010d}", line.encode())
                 if serial > ETCD_EVENTS_KEPT:

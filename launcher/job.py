@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from rich.console import Console
 
-from configs.errors import ConfigError, PhalanxError, PlanInfeasible, WorkerFailed
+from configs.errors import ConfigError, PhalanxError, PlanInfeasible
 from configs.loader import dump_config
 from configs.schema import PhalanxConfig
 from runtime.entrypoint import resolve_path
@@ -24,6 +24,7 @@ from launcher.commit_tracker import CommitTracker
 from launcher.coordinator import RankSlot, RecoveryCoordinator
 from launcher.drills import Injector, load_scenario
 from launcher.events import EventLog
+from launcher.keeper_events import KEEPER_EVENTS_FINAL_WAIT_S, KeeperEvents
 from launcher.monitor import Monitor, PollResult
 from launcher.progress import ProgressView
 from launcher.ray_cluster import node_resource
@@ -171,7 +172,8 @@ class JobRunner:
             run_dir=str(run.path), torch_threads=cfg.job.torch_threads,
             keeper_host=keeper_host, keeper_port=keeper_port,
             snapshot_every=str(cfg.snapshot.every_steps),
-            overhead_budget=cfg.snapshot.overhead_budget, secret_hex=self.secret_hex,
+            overhead_budget=cfg.snapshot.overhead_budget, checksum=cfg.snapshot.checksum,
+            secret_hex=self.secret_hex,
             extra={"restore": restore} if restore else {})
 
     def _new_actor(self, node: int, name: str) -> Any:
@@ -216,6 +218,7 @@ class JobRunner:
                                 cfg.replication.commit_every_steps)
         coordinator.committed = lambda: commits.committed
         stall = StallDetector(cfg.detection.stall_timeout_s)
+        keeper_events = KeeperEvents(self.keepers, coordinator.events, self.console)
         results: dict[int, Any] = {}
         try:
             while len(results) < cfg.job.world_size:
@@ -238,11 +241,13 @@ class JobRunner:
                 if injector is not None:
                     injector.poll(members)
                 view.update(members)
+                keeper_events.poll(coordinator.live_nodes, time.monotonic())
                 if time.monotonic() > deadline:
                     raise JobTimeout(f"job {cfg.job.name} ran past job.timeout_s="
                                      f"{cfg.job.timeout_s}")
         finally:
             view.close()
+            keeper_events.drain(coordinator.live_nodes, KEEPER_EVENTS_FINAL_WAIT_S)
         return {rank: results[rank] for rank in sorted(results)}
 
     def _finished_workers(self) -> set[str]:

@@ -37,18 +37,23 @@ def disk_tier_root(cfg: PhalanxConfig, run_dir: str) -> str:
     return cfg.tiers.disk.path or str(Path(run_dir) / "checkpoints")
 
 
-def build_tiers(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int]]:
-    """(tier, every_steps, keep) for each enabled tier."""
-    tiers: list[tuple[Tier, int, int]] = []
-    if cfg.tiers.disk.enabled:
+def tier_specs(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int, float]]:
+    """(tier, every_steps, keep, every_s) for each enabled tier: what TierPersister takes."""
+    specs: list[tuple[Tier, int, int, float]] = []
+    disk, s3 = cfg.tiers.disk, cfg.tiers.s3
+    if disk.enabled:
         root = Path(disk_tier_root(cfg, run_dir))
-        tiers.append((DiskTier(root, cfg.job.name), cfg.tiers.disk.every_steps, cfg.tiers.disk.keep))
-    if cfg.tiers.s3.enabled:
+        specs.append((DiskTier(root, cfg.job.name), disk.every_steps, disk.keep, disk.every_s))
+    if s3.enabled:
         from runtime.tier_s3 import S3Tier
 
-        tiers.append((S3Tier(cfg.tiers.s3, cfg.job.name), cfg.tiers.s3.every_steps,
-                      cfg.tiers.s3.keep))
-    return tiers
+        specs.append((S3Tier(s3, cfg.job.name), s3.every_steps, s3.keep, s3.every_s))
+    return specs
+
+
+def build_tiers(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int]]:
+    """(tier, every_steps, keep) for each enabled tier (``tier_specs`` adds every_s)."""
+    return [(tier, every, keep) for tier, every, keep, _ in tier_specs(cfg, run_dir)]
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
@@ -81,7 +86,7 @@ class KeeperActor:
         self._reporter = KeeperReporter(
             self._membership, node, self._report, cfg.etcd.heartbeat_s, cfg.etcd.lease_ttl_s,
             keeper_member(node, self._keeper.address, os.getpid())).start()
-        tiers = build_tiers(cfg, run_dir)
+        tiers = tier_specs(cfg, run_dir)
         self._persister = None
         if tiers and local_ranks:
             self._persister = TierPersister(self._keeper, tiers, list(range(cfg.job.world_size)),

@@ -4,7 +4,6 @@ resource ``phalanx_node_<i>``, so node loss can be drilled on one machine."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import time

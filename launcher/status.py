@@ -1,6 +1,7 @@
 """``phalanx status``: the live state of a running job read from etcd: members (rank,
 worker, node, step), and per rank what the keepers hold (last local and replicated step,
-holders), the committed step and the bytes each keeper holds."""
+holders), the committed step, the bytes each keeper holds, and the newest events (faults,
+recoveries, tier alerts such as ``tier_degraded``)."""
 from __future__ import annotations
 
 import json
@@ -11,9 +12,12 @@ from rich.table import Table
 
 from configs.errors import MembershipUnavailable
 from launcher.commit_tracker import COMMIT_KEY, read_reports
+from launcher.events import EVENTS_PREFIX
 from launcher.rundir import RunDir
 from runtime.commit import KeeperReport
 from runtime.membership_etcd import EtcdMembership, job_prefix
+
+EVENTS_SHOWN = 10
 
 
 def show_status(run: RunDir, console: Console, timeout_s: float = 3.0) -> int:
@@ -32,6 +36,7 @@ def show_status(run: RunDir, console: Console, timeout_s: float = 3.0) -> int:
         generation = membership.get("generation")
         commit = membership.get(COMMIT_KEY)
         reports = read_reports(membership)
+        events = [json.loads(kv.value) for kv in membership.list_prefix(EVENTS_PREFIX)]
     finally:
         membership.close()
     committed = json.loads(commit.value)["step"] if commit else -1
@@ -39,6 +44,8 @@ def show_status(run: RunDir, console: Console, timeout_s: float = 3.0) -> int:
                   f"  committed step {committed}  run {run.path.name}")
     console.print(_members_table(members))
     console.print(_ranks_table(reports, info.get("world_size", 0), committed))
+    if events:
+        console.print(_events_table(events[-EVENTS_SHOWN:]))
     return 0
 
 
@@ -68,4 +75,17 @@ def _ranks_table(reports: dict[str, KeeperReport], world_size: int, committed: i
                       ",".join(holders) or "-")
     for node, report in sorted(reports.items()):
         table.add_row(f"keeper {node}", "", "", f"{report.bytes_held / 2**20:.1f} MiB held")
+    return table
+
+
+def _events_table(events: list[dict]) -> Table:
+    """The newest events, oldest first (the whole log is ``events.jsonl`` in the run dir)."""
+    table = Table(title=f"recent events (newest {len(events)})")
+    for column in ("time", "event", "details"):
+        table.add_column(column)
+    for event in events:
+        details = " ".join(f"{k}={v}" for k, v in sorted(event.items())
+                           if k not in ("time", "event"))
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(float(event.get("time", 0)))),
+                      str(event.get("event", "?")), details)
     return table

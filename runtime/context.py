@@ -36,6 +36,7 @@ class WorkerContext:
     keeper_port: int = 0
     snapshot_every: str = "1"          # an integer as text, or "auto"
     overhead_budget: float = 0.03
+    checksum: str = "xxh3"
     secret_hex: str = field(default="", repr=False)
     extra: dict[str, object] = field(default_factory=dict)
 

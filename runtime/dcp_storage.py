@@ -20,6 +20,7 @@ from torch.futures import Future
 
 from configs.errors import SnapshotCorrupt, SnapshotNotFound
 from runtime.base import Tier
+from runtime.checksum import DEFAULT_ALGO
 from runtime.dcp_metadata import (NON_TENSOR_HINT, TENSOR, VALUE, PayloadRef, encode_value,
                                   metadata_from_json, metadata_to_json, payload_names)
 from runtime.snapshot_format import (Manifest, SnapshotLayout, checksums, make_manifest,
@@ -146,7 +147,7 @@ class TieredStorageWriter(StorageWriter):
     """
 
     def __init__(self, tier: Tier, step: int, *, secret: bytes | None = None, job: str = "dcp",
-                 generation: int = 0, checksum_algo: str = "sha256",
+                 generation: int = 0, checksum_algo: str = DEFAULT_ALGO,
                  checksum_workers: int = 1) -> None:
         self._tier = tier
         self._step = _as_step(step)

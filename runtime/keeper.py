@@ -16,8 +16,8 @@ from typing import Any, Callable
 from configs.errors import ConfigError, PeerUnreachable, SnapshotNotFound, StaleGeneration
 from runtime.keeper_wire import KeeperClient, KeeperRequestInvalid, SlotBusy, handle
 from runtime.replica_receiver import TensorIndex
-from runtime.shm import (Held, RankSlots, ShmBuffer, check_capacity, memory_plan, owned_names,
-                         pick_slot, remove_stale, shm_prefix, validate_name)
+from runtime.shm import (Held, RankSlots, ShmBuffer, check_capacity, mem_available, memory_plan,
+                         owned_names, pick_slot, remove_stale, shm_prefix, validate_name)
 from runtime.transport import DEFAULT_MAX_PAYLOAD, FrameServer, Reply, Request
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,8 @@ class Keeper:
         """Paths of ``slots`` files of ``nbytes`` each for ``rank`` (idempotent per size).
 
         A new size makes a new layout version; the old layout's newest ready step is
-        served until a new slot is published. Raises ConfigError when shm is full.
+        served until a new slot is published. Raises ConfigError(snapshot.shm_dir) before
+        creating any file when shm_dir or MemAvailable cannot hold the ``slots`` files.
         """
         if nbytes <= 0:
             raise KeeperRequestInvalid(f"alloc size must be positive, got {nbytes}")
@@ -120,6 +121,7 @@ class Keeper:
                 if table is not None and table.slot_nbytes == nbytes:
                     return [h.buf.path for h in table.slots]
                 version = table.version + 1 if table else 0
+            self._check_room(rank, nbytes)
             bufs: list[ShmBuffer] = []
             try:
                 for i in range(self.slots):
@@ -139,6 +141,37 @@ class Keeper:
         log.info("keeper.alloc node=%s rank=%d nbytes=%d version=%d", self.node, rank, nbytes,
                  version)
         return [b.path for b in bufs]
+
+    def _check_room(self, rank: int, nbytes: int) -> None:
+        """Raise ConfigError before any file exists when ``shm_dir`` or RAM (tmpfs pages
+        cannot be reclaimed) lacks room for ``rank``'s ``slots`` files of ``nbytes``.
+
+        Only this rank's slots are counted: the keeper does not know the replication
+        factor, so replicas it will hold later are checked by the launcher alone (when
+        ``snapshot.rank_size_mb`` is set). Called by ``alloc`` under ``_alloc_lock``.
+        """
+        need = memory_plan(nbytes, 1, self.slots, 0, 0)
+        stat = os.statvfs(self.shm_dir)
+        free = stat.f_bavail * stat.f_frsize
+        available = mem_available()
+        limits = [f"{self.shm_dir} has {free} bytes free ({free / 2**30:.2f} GiB)"]
+        short = need > free
+        if available is not None:
+            limits.append(f"MemAvailable is {available} bytes ({available / 2**30:.2f} GiB)")
+            short = short or need > available
+        if not short:
+            return
+        log.warning("keeper.alloc_refused node=%s rank=%d nbytes=%d slots=%d need=%d free=%d "
+                    "mem_available=%s", self.node, rank, nbytes, self.slots, need, free,
+                    available)
+        raise ConfigError(
+            "snapshot.shm_dir",
+            f"keeper {self.node}: rank {rank}'s snapshots need {self.slots} slots x {nbytes} "
+            f"bytes = {need} bytes ({need / 2**30:.2f} GiB) in {self.shm_dir}, but "
+            + " and ".join(limits),
+            f"point `snapshot.shm_dir` at a larger tmpfs than {self.shm_dir}, snapshot a "
+            f"smaller state, use fewer `snapshot.slots` (now {self.slots}), or set "
+            "`snapshot.rank_size_mb` so the launcher refuses before start")
 
     def _retire_layout(self, table: RankSlots) -> list[Held]:
         ready = [h for h in table.slots + table.retired if h.state == "ready"]

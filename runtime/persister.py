@@ -1,42 +1,55 @@
 """The tier persister: one background thread per node keeper that copies the keeper's
-published snapshots of every N-th step to persistent tiers (disk, S3) and commits them.
+published snapshots to persistent tiers (disk, S3) and commits them.
+
+Which step a tier persists: ``runtime.persist_cadence.pick_step``.
 
 Each node persists only its own ranks; the tier's ``COMMIT`` marker for a step appears
 once every rank of the job is there, written by whichever node finishes last:
 
     node A (ranks 0,2)            tier                     node B (ranks 1,3)
-    pin/write/unpin 0,2  ──▶  step_5/rank_{0,2}.*
-    commit_step(5, all)  ──▶  SnapshotNotFound (rank 1)   ... B still writing ...
-                              step_5/rank_{1,3}.*  ◀──    pin/write/unpin 1,3
-                              COMMIT               ◀──    commit_step(5, all) succeeds
+    pin/write/unpin 0,2  ──▶  step_21/rank_{0,2}.*
+    commit_step(21, all) ──▶  SnapshotNotFound (rank 1)   ... B still writing ...
+                              step_21/rank_{1,3}.*  ◀──   pin/write/unpin 1,3
+                              COMMIT               ◀──    commit_step(21, all) succeeds
     retry commit_step    ──▶  COMMIT (rewritten, idempotent) → apply_retention(keep)
 """
 from __future__ import annotations
 
 import json
 import logging
+import mmap
+import re
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence, Union
 
 from configs.errors import SnapshotCorrupt, SnapshotNotFound, TierUnavailable
 from runtime.base import Tier
 from runtime.keeper import Keeper
+from runtime.persist_cadence import pick_step
+from runtime.snapshot_format import verify_snapshot
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TierPersister", "payload_size"]
+__all__ = ["TierPersister", "TierSpec", "payload_size", "pick_step"]
 _MAX_BACKOFF_DOUBLINGS = 4  # commit retries wait at most 16 x commit_retry_s
+_STAGE_CHUNK = 64 << 20     # a preempted copy stops within one chunk
+_TENSOR_RE = re.compile(r"tensor '([^']*)'")
+# (tier, every_steps, keep) or (tier, every_steps, keep, every_s)
+TierSpec = Union[tuple[Tier, int, int], tuple[Tier, int, int, float]]
+
+
+class _Preempted(Exception):
+    """The worker claimed the slot being copied (internal; becomes ``tier_skipped``)."""
 
 
 def payload_size(manifest: bytes, published: int, rank: int, step: int) -> int:
     """Bytes of ``rank``'s payload at ``step`` to persist: the manifest's ``total_bytes``
     when it records one (a worker may publish its whole, larger slot), else ``published``.
-
-    Parses the manifest as plain JSON (no torch in the keeper process). Raises
-    SnapshotCorrupt when the manifest names another rank or step, or records more bytes
-    than were published."""
+    Raises SnapshotCorrupt when the manifest names another rank or step, or records more
+    bytes than were published."""
     try:
         raw = json.loads(manifest)
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -62,9 +75,12 @@ class _TierState:
     tier: Tier
     every_steps: int
     keep: int
-    attempted: int = -1                # newest step tried: persisted, skipped or failed
+    every_s: float = 0.0
+    attempted: int = 0                 # newest step tried: persisted, skipped or failed
+    time_window: int = 0               # wall-clock window of the last attempt (every_s)
     persisted: int | None = None
     committed: int | None = None
+    skipped: int = 0                   # steps given up: gone, corrupt or preempted
     pending: int | None = None         # persisted here, marker not yet written
     pending_since: float = 0.0
     next_commit_try: float = 0.0
@@ -72,56 +88,61 @@ class _TierState:
 
 
 class TierPersister:
-    """Watches ``keeper.holdings()`` and persists every local rank's snapshot of each step
-    that is a multiple of a tier's ``every_steps`` and newer than the last one tried there.
+    """Watches ``keeper.holdings()`` and persists every local rank's snapshot of the steps
+    ``pick_step`` chooses. ``tiers`` holds (tier, every_steps, keep[, every_s]);
+    ``world_ranks`` every rank of the job (the commit needs them all), ``local_ranks``
+    those this keeper holds. Payloads are verified against their manifest's checksums
+    first: a mismatch writes nothing of that step here, so it never commits.
 
-    ``tiers`` holds (tier, every_steps, keep); ``world_ranks`` every rank of the job (the
-    commit needs all of them), ``local_ranks`` the ranks whose snapshots this keeper holds.
-    Only the newest due step is persisted; an older due step the poll missed is skipped.
-    A slot stays pinned while its bytes go to a tier, so a worker whose next ``claim``
-    needs that slot waits (up to the keeper's ``claim_wait_s``): with tiers slower than a
-    training step, run the keeper with ``slots >= 3``.
-
-    Retention runs only on the persister that holds the job's lowest rank, so the tier is
-    scanned once per commit instead of once per node (and nodes never race deleting).
+    With ``slots >= 3`` the tier reads the pinned slot itself (a worker's claim always
+    finds another slot). With 2 slots the slot is copied out under a pin that gives way to
+    the worker, as a replica push does, and the copy (one rank's payload of keeper memory)
+    is written unpinned: a claim mid-copy skips that step for that tier, and a slow tier
+    never stalls training. Retention runs only where the job's lowest rank is held.
 
     Failures never leave the thread: a tier error (TierUnavailable, OSError) emits
-    ``tier_degraded`` and that step is skipped for that tier; a step the keeper no longer
-    holds emits ``tier_skipped``. ``on_event`` (called from the persister thread) gets
-    ``tier_persisted``, ``tier_committed``, ``tier_commit_abandoned``, ``tier_retention``,
-    ``tier_degraded``, ``tier_skipped`` and ``persister_error`` dicts; it must not block.
+    ``tier_degraded``; a step no longer held, with a bad checksum or whose copy was
+    preempted emits ``tier_skipped`` (``rank``, ``cause``, and the bad ``tensor``).
+    ``on_event`` (called from the persister thread; must not block) also gets
+    ``tier_persisted``, ``tier_committed``, ``tier_commit_abandoned``, ``tier_retention``
+    and ``persister_error`` dicts.
     """
 
-    def __init__(self, keeper: Keeper, tiers: Sequence[tuple[Tier, int, int]],
+    def __init__(self, keeper: Keeper, tiers: Sequence[TierSpec],
                  world_ranks: Sequence[int], local_ranks: Sequence[int], *,
                  poll_s: float = 0.1, on_event: Callable[[dict], None] | None = None,
                  commit_retry_s: float = 1.0, commit_wait_s: float = 600.0,
-                 join_timeout_s: float = 30.0) -> None:
+                 join_timeout_s: float = 30.0,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         """Raises ValueError for bad tiers or ranks. Does no I/O."""
         self._world = sorted(set(int(r) for r in world_ranks))
-        self._local = sorted(set(int(r) for r in local_ranks))
+        self.set_local_ranks(local_ranks)
         if not self._local or not set(self._local) <= set(self._world):
             raise ValueError(f"local_ranks {self._local} must be a non-empty subset of "
                              f"world_ranks {self._world}")
-        names = [tier.name for tier, _, _ in tiers]
+        names = [spec[0].name for spec in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be distinct, got {names}")
-        for tier, every, keep in tiers:
-            if every < 1 or keep < 1:
-                raise ValueError(f"tier {tier.name}: every_steps {every} and keep {keep} "
-                                 "must be >= 1")
         if poll_s <= 0 or commit_retry_s < 0 or commit_wait_s <= 0 or join_timeout_s <= 0:
             raise ValueError("poll_s, commit_wait_s and join_timeout_s must be positive, "
                              "commit_retry_s non-negative")
-        self._keeper = keeper
-        self._states = [_TierState(tier, every, keep) for tier, every, keep in tiers]
+        self._keeper, self._wall_clock = keeper, wall_clock
+        self._stage = keeper.slots < 3
+        self._states = [self._tier_state(*spec) for spec in tiers]
         self._poll_s, self._on_event = poll_s, on_event
         self._commit_retry_s, self._commit_wait_s = commit_retry_s, commit_wait_s
         self._join_timeout_s = join_timeout_s
-        self._retains = self._world[0] in self._local
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _tier_state(self, tier: Tier, every: int, keep: int, every_s: float = 0.0) -> _TierState:
+        if every < 1 or keep < 1 or not every_s >= 0:
+            raise ValueError(f"tier {tier.name}: every_steps {every} and keep {keep} must be "
+                             f">= 1, every_s {every_s} >= 0")
+        state = _TierState(tier, every, keep, float(every_s))
+        state.time_window = self._time_window(state)
+        return state
 
     # ----- lifecycle -----------------------------------------------------------------
 
@@ -132,8 +153,9 @@ class TierPersister:
         self._thread = threading.Thread(target=self._run, name=f"persister-{self._keeper.node}",
                                         daemon=True)
         self._thread.start()
-        log.info("persister.started node=%s ranks=%s tiers=%s", self._keeper.node, self._local,
-                 [f"{s.tier.name}:{s.every_steps}:{s.keep}" for s in self._states])
+        log.info("persister.started node=%s ranks=%s staged=%s tiers=%s", self._keeper.node,
+                 self._local, self._stage,
+                 [f"{s.tier.name}:{s.every_steps}:{s.keep}:{s.every_s:g}" for s in self._states])
         return self
 
     def close(self) -> None:
@@ -167,6 +189,17 @@ class TierPersister:
         with self._lock:
             return {s.tier.name: s.committed for s in self._states if s.committed is not None}
 
+    def skipped(self) -> dict[str, int]:
+        """Tier name → steps skipped there (gone, corrupt or preempted)."""
+        with self._lock:
+            return {s.tier.name: s.skipped for s in self._states}
+
+    def set_local_ranks(self, ranks: Sequence[int]) -> None:
+        """The ranks whose snapshots this keeper now holds (after a rank moved node); the
+        node that now holds the lowest rank takes over retention."""
+        local = sorted(set(int(r) for r in ranks))
+        self._local, self._retains = local, self._world[0] in local
+
     # ----- the thread ----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -185,14 +218,14 @@ class TierPersister:
             if self._stop.is_set():
                 return
             self._try_commit(state)
-            due = [s for s in ready if s % state.every_steps == 0 and s > state.attempted]
-            if due:
-                self._persist(state, max(due))
+            time_due = state.every_s > 0 and self._time_window(state) > state.time_window
+            step = pick_step(ready, state.attempted, state.every_steps, time_due)
+            if step is not None:
+                self._persist(state, step)
                 self._try_commit(state)
 
-    def set_local_ranks(self, ranks: Sequence[int]) -> None:
-        """The ranks whose snapshots this keeper now holds (after a rank moved node)."""
-        self._local = sorted(set(int(r) for r in ranks))
+    def _time_window(self, state: _TierState) -> int:
+        return int(self._wall_clock() // state.every_s) if state.every_s > 0 else 0
 
     def _ready_steps(self, holdings: dict[int, dict[str, Any]]) -> set[int]:
         """Steps every local rank holds as a published local snapshot."""
@@ -203,27 +236,25 @@ class TierPersister:
         return steps or set()
 
     def _persist(self, state: _TierState, step: int) -> None:
-        name = state.tier.name
-        state.attempted = step
+        name, ranks = state.tier.name, list(self._local)
+        state.attempted, state.time_window = step, self._time_window(state)
         started = time.monotonic()
         written = 0
-        try:
-            for rank in self._local:
-                if self._stop.is_set():
-                    return
+        for rank in ranks:
+            if self._stop.is_set():
+                return
+            try:
                 written += self._write_rank(state.tier, rank, step)
-        except (SnapshotNotFound, SnapshotCorrupt) as exc:
-            self._emit({"event": "tier_skipped", "tier": name, "step": step, "reason": str(exc)},
-                       logging.WARNING)
-            return
-        except (TierUnavailable, OSError) as exc:
-            self._degraded(state, step, exc)
-            return
+            except (SnapshotNotFound, SnapshotCorrupt, _Preempted) as exc:
+                self._skipped(state, step, rank, exc)
+                return
+            except (TierUnavailable, OSError) as exc:
+                self._degraded(state, step, exc)
+                return
         with self._lock:
             state.persisted = step
-        self._emit({"event": "tier_persisted", "tier": name, "step": step,
-                    "ranks": list(self._local), "bytes": written,
-                    "seconds": round(time.monotonic() - started, 6)})
+        self._emit({"event": "tier_persisted", "tier": name, "step": step, "ranks": ranks,
+                    "bytes": written, "seconds": round(time.monotonic() - started, 6)})
         if state.pending is not None:
             self._emit({"event": "tier_commit_abandoned", "tier": name, "step": state.pending,
                         "reason": f"superseded by step {step}"}, logging.WARNING)
@@ -231,25 +262,42 @@ class TierPersister:
         state.next_commit_try, state.commit_tries = 0.0, 0
 
     def _write_rank(self, tier: Tier, rank: int, step: int) -> int:
-        """Pin (rank, step), hand the tier a read-only view of the slot, unpin.
-        Returns payload bytes; raises SnapshotNotFound when the keeper no longer holds it."""
-        _, held = self._keeper.pin(rank, step)
+        """Verify ``rank``'s payload at ``step`` against its manifest, then write it.
+        Returns payload bytes; raises SnapshotNotFound (no longer held), SnapshotCorrupt
+        (checksums), _Preempted (2 slots: the worker claimed it) or what the tier raises."""
+        with self._payload(rank, step) as (view, manifest):
+            verify_snapshot(view, manifest, secret=None,
+                            source=f"keeper {self._keeper.node} rank {rank} step {step}")
+            tier.write_rank(step, rank, view, manifest)
+            return view.nbytes
+
+    @contextmanager
+    def _payload(self, rank: int, step: int) -> Iterator[tuple[memoryview, bytes]]:
+        """A read-only view of the payload and its manifest: the pinned slot itself, or
+        (2 slots) a private copy made under a pin that gives way to the worker's claim."""
+        preempted = threading.Event()
+        on_claim = preempted.set if self._stage else None  # the keeper's lock is held
+        _, held = self._keeper.pin(rank, step, on_claim=on_claim)
         try:
-            size = payload_size(held.manifest, held.used, rank, step)
+            manifest = held.manifest
+            size = payload_size(manifest, held.used, rank, step)
             try:
-                view = held.buf.view(size)
+                slot = held.buf.view(size)
             except ValueError as exc:     # the keeper closed and unmapped the slot
                 raise SnapshotNotFound(f"keeper {self._keeper.node}: rank {rank} step "
                                        f"{step} is no longer mapped") from exc
-            readonly = view.toreadonly()
-            try:
-                tier.write_rank(step, rank, readonly, held.manifest)
-            finally:
-                readonly.release()
-                view.release()
+            with slot, slot.toreadonly() as view:
+                if not self._stage:
+                    yield view, manifest
+                    return
+                copy = _copy_unless(view, preempted, f"rank {rank} step {step}")
         finally:
-            self._keeper.unpin(held)
-        return size
+            self._keeper.unpin(held, on_claim)
+        try:
+            with memoryview(copy) as whole, whole.toreadonly() as view:
+                yield view, manifest
+        finally:
+            _close_quietly(copy)
 
     def _try_commit(self, state: _TierState) -> None:
         """Write the pending step's marker once every rank of the job is in the tier. A
@@ -294,6 +342,17 @@ class TierPersister:
             self._emit({"event": "tier_retention", "tier": state.tier.name, "keep": state.keep,
                         "deleted": deleted})
 
+    def _skipped(self, state: _TierState, step: int, rank: int, exc: Exception) -> None:
+        cause = {SnapshotNotFound: "gone", SnapshotCorrupt: "corrupt"}.get(type(exc), "preempted")
+        event = {"event": "tier_skipped", "tier": state.tier.name, "step": step, "rank": rank,
+                 "cause": cause, "reason": str(exc)}
+        bad = _TENSOR_RE.search(str(exc)) if cause == "corrupt" else None
+        if bad is not None:
+            event["tensor"] = bad.group(1)
+        with self._lock:
+            state.skipped += 1
+        self._emit(event, logging.ERROR if cause == "corrupt" else logging.WARNING)
+
     def _degraded(self, state: _TierState, step: int, exc: BaseException) -> None:
         self._emit({"event": "tier_degraded", "tier": state.tier.name, "step": step,
                     "error": f"{type(exc).__name__}: {exc}"}, logging.WARNING)
@@ -307,6 +366,30 @@ class TierPersister:
             self._on_event(dict(event))
         except Exception:  # noqa: BLE001 - a listener's bug must not stop persisting
             log.exception("persister.on_event_failed event=%s", event["event"])
+
+
+def _copy_unless(src: memoryview, preempted: threading.Event, what: str) -> mmap.mmap:
+    """A private copy of ``src``, made chunk by chunk; raises _Preempted once
+    ``preempted`` is set before the last chunk (after it the copy is whole: the claim
+    waits for the unpin)."""
+    copy = mmap.mmap(-1, src.nbytes)
+    try:
+        with memoryview(copy) as dst:
+            for start in range(0, src.nbytes, _STAGE_CHUNK):
+                if preempted.is_set():
+                    raise _Preempted(f"{what}: the worker claimed the slot mid-copy")
+                dst[start:start + _STAGE_CHUNK] = src[start:start + _STAGE_CHUNK]
+    except BaseException:
+        _close_quietly(copy)
+        raise
+    return copy
+
+
+def _close_quietly(copy: mmap.mmap) -> None:
+    try:
+        copy.close()
+    except BufferError:  # a traceback still holds a view of it: the GC unmaps it
+        pass
 
 
 def _log_value(value: Any) -> str:

@@ -28,14 +28,15 @@ with crc32 on both ends.
 sum64 catches any error confined to one 8-byte word (every flipped bit or byte) and
 random multi-word damage with probability 1 - 2**-64; it does not catch words swapped
 within one chunk, which TCP's in-order delivery does not produce. Neither is a
-cryptographic check: the signed manifest's per-tensor sha256 is (verified on restore).
+cryptographic check; the signed manifest's per-tensor checksums are verified on restore.
 
 Dedup trusts the checksum a held snapshot records: a copied tensor is not re-hashed.
 Its bytes were checksummed by the worker that wrote them, or arrived digest-checked as a
 replica of such a snapshot, and stay pinned (immutable) while copied; every restore
-verifies each tensor against the manifest anyway. Only cryptographic checksums (sha256,
-blake2b) deduplicate: a 32-bit crc32 match between different tensors would be silent
-corruption, and tensors under ``MIN_DEDUP_BYTES`` are not worth the lookup.
+verifies each tensor against the manifest anyway. Only checksums of 128 bits or more
+(xxh3, blake3, sha256: an accidental match is ~2**-128) deduplicate; the snapshots come
+from this job's own workers, so a deliberately colliding tensor is not in the threat
+model here. Tensors under ``MIN_DEDUP_BYTES`` are not worth the lookup.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ CHUNK_DIGESTS = ("sum64", "crc32")
 DIGEST_BYTES = 8
 MIN_DEDUP_BYTES = 4096
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4096, 256 << 20
-_DEDUP_ALGOS = ("sha256:", "blake2b:")
+_DEDUP_ALGOS = ("xxh3:", "blake3:", "sha256:")
 _WORDS = np.dtype("<u8")
 _LEN = struct.Struct(">I")  # runtime.frames' header length prefix
 

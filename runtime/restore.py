@@ -63,6 +63,7 @@ class RestoreResult:
     manifest: Manifest
     tensors: dict[str, torch.Tensor]
     failures: list[tuple[str, str]] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)  # restored plain values, by name
 
 
 def fetch_verified(rank: int, step: int, sources: Sequence[SnapshotSource],
@@ -95,7 +96,11 @@ def fetch_verified(rank: int, step: int, sources: Sequence[SnapshotSource],
 def restore(objects: Mapping[str, Any], rank: int, step: int,
             sources: Sequence[SnapshotSource], secret: bytes | None,
             job: str | None = None) -> RestoreResult:
-    """Pull (rank, step) from the first good source and apply it to ``objects`` in place."""
+    """Pull (rank, step) from the first good source and apply it to ``objects`` in place.
+
+    Plain values (an int, a str) cannot be changed in place: they are rebound in
+    ``objects`` when it is a dict and returned in ``RestoreResult.values`` (see
+    ``apply_state``)."""
     result = fetch_verified(rank, step, sources, secret, job)
-    apply_state(objects, result.tensors, result.manifest.tree_spec)
+    result.values = apply_state(objects, result.tensors, result.manifest.tree_spec)
     return result

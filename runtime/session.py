@@ -3,10 +3,12 @@ collective of the current generation, membership and recovery of one rank.
 
     session = phalanx.Session()
     session.register(model=model, optimizer=opt)
+    session.extras["seen"] = 0             # initial values before start(), which may restore
     with session:
         while session.step_index < steps:
             with session.step():
                 ...  # forward, backward, session.all_reduce(grad), optimizer.step()
+                session.extras["seen"] += batch_size   # inside the step: in its snapshot
 
 A failed collective inside a step (a peer died or hung) ends that step: the session waits
 for the next generation's plan, rolls its state back to the plan's restore step and
@@ -28,13 +30,13 @@ from configs.errors import LeaseLost, MembershipUnavailable, StaleGeneration
 from runtime.base import MemberRecord
 from runtime.collective import Collective, CollectiveAborted
 from runtime.context import WorkerContext
-from runtime.generation import Fenced, GenerationPlan, GenerationWatcher
+from runtime.generation import Fenced, GenerationWatcher
 from runtime.keeper_wire import KeeperClient
 from runtime.membership_etcd import EtcdMembership, job_prefix
 from runtime.process_group import connect_store
 from runtime.rejoin import restore_rank
 from runtime.snapshotter import SnapshotPolicy, Snapshotter
-from runtime.state_tree import RNGState
+from runtime.state_tree import RNGState, assign_in_place, object_kind
 
 log = logging.getLogger(__name__)
 PLAN_TIMEOUT_S = 120.0
@@ -42,20 +44,45 @@ FINISHED_PREFIX = "finished/"
 
 
 class _Progress:
-    """The session's own state inside every snapshot: which step runs next."""
+    """The session's own state inside every snapshot: which step runs next, and the
+    script's extras (plain values read and written through ``Session.extras``)."""
 
     def __init__(self) -> None:
         self.step_index = 0
+        self.extras: dict[str, Any] = {}
 
-    def state_dict(self) -> dict[str, int]:
-        return {"step_index": self.step_index}
+    def state_dict(self) -> dict[str, Any]:
+        return {"step_index": self.step_index, "extras": dict(self.extras)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Roll back to ``state``: the extras dict keeps its identity and ends up holding
+        exactly the captured keys; a dict, list or same-shaped tensor value is refilled in
+        place (references the script holds see the restored content)."""
         self.step_index = int(state["step_index"])
+        restored = state.get("extras", {})  # snapshots older than extras hold none
+        for key in [k for k in self.extras if k not in restored]:
+            del self.extras[key]
+        for key, value in restored.items():
+            self.extras[key] = (assign_in_place(self.extras[key], value)
+                                if key in self.extras else value)
 
 
 class Session:
     """One rank's participation in a phalanx job; used from the training thread.
+
+    Training state is captured at every snapshot and rolled back by a recovery:
+    ``register()``-ed objects with ``state_dict()``/``load_state_dict()``, the RNGs, and
+    ``extras``, a dict the script reads and writes for plain values (an epoch counter, a
+    data cursor, a best loss). An extra may be a JSON value (None, bool, int, float, str,
+    and lists, tuples and dicts of those with str or int keys), a tensor or a numeric
+    numpy array; whatever ``extras`` holds when a snapshot is taken is what a restore of
+    that step brings back (keys added since are removed). Set initial values before
+    ``start()`` (a replacement rank's ``start()`` restores them; a tensor restored without
+    an initial value to copy into comes back on the CPU) and update them inside
+    ``step()``: the snapshot taken as a step ends holds the extras as they are then. Store
+    a new tensor rather than changing one in place during the next step: a snapshot copies
+    tensors in the background while that step runs. An unsupported value raises TypeError
+    naming its key (``__phalanx__/extras/<key>``) at the next snapshot.
 
     ``start()`` restores the rank's state when it replaces a lost rank, joins the
     generation's group and etcd; raises ``PeerUnreachable``, ``MembershipUnavailable`` or
@@ -119,7 +146,10 @@ class Session:
         every: int | str = "auto" if ctx.snapshot_every == "auto" else int(ctx.snapshot_every)
         self._snapshotter = Snapshotter(
             self._keeper, job=ctx.job, rank=ctx.rank, generation=ctx.generation,
-            secret=ctx.secret, policy=SnapshotPolicy(every, ctx.overhead_budget))
+            secret=ctx.secret, policy=SnapshotPolicy(every, ctx.overhead_budget),
+            checksum_algo=ctx.checksum)
+        if self._snapshotter.auto and not ctx.standalone_run and ctx.world_size > 1:
+            self._snapshotter.agree_interval(1)     # see _agree_interval
         for obj in self._objects.values():
             self._hook_optimizer(obj)
 
@@ -193,13 +223,27 @@ class Session:
         """Counters of the snapshotter (captures, last stall, interval), or None."""
         return None if self._snapshotter is None else self._snapshotter.stats
 
+    @property
+    def extras(self) -> dict[str, Any]:
+        """The script's plain-value state (see the class docstring): read and assign keys
+        (``session.extras["epoch"] = epoch``); captured at each snapshot, restored (same
+        dict object) after a recovery or a restart from a snapshot."""
+        return self._progress.extras
+
     # -- state and steps ---------------------------------------------------------------
     def register(self, **objects: Any) -> None:
         """Register training state by name: anything with ``state_dict()``/``load_state_dict()``
-        (model, optimizer, scheduler, sampler), ``phalanx.RNGState()``, or JSON values/tensors."""
+        (model, optimizer, scheduler, sampler), a ``torch.Generator``, ``phalanx.RNGState()``.
+        A plain value (JSON value, tensor, numpy array) becomes ``extras[name]``: update it
+        there (``session.extras[name] = v``), since rebinding a local name is invisible to
+        the session; a registered dict, list or tensor is also refilled in place on restore.
+        Raises ValueError for a name already registered, already an extra, or reserved."""
         for name, obj in objects.items():
-            if name in self._objects or name.startswith("__"):
+            if name in self._objects or name in self.extras or name.startswith("__"):
                 raise ValueError(f"state {name!r} is already registered or reserved")
+            if object_kind(obj) == "value":
+                self.extras[name] = obj
+                continue
             self._objects[name] = obj
             self._hook_optimizer(obj)
 
@@ -230,6 +274,23 @@ class Session:
                     snapshotter.capture(self._progress.step_index, self._objects)
                 except StaleGeneration as exc:  # the keeper already serves a newer generation
                     self._recover(f"snapshot fenced: {exc}")
+                    return
+                if snapshotter.shares_interval:
+                    self._agree_interval(snapshotter)
+
+    def _agree_interval(self, snapshotter: Snapshotter) -> None:
+        """``every_steps: auto`` in a multi-rank job: at each snapshot step (the same on
+        every rank, by induction from step 0 and from every restore step) the ranks take
+        the largest interval any of them wants, in one all_reduce of world_size integers on
+        the session's own group, so every rank snapshots the same steps."""
+        wanted = torch.zeros(self.world_size, dtype=torch.int64)
+        wanted[self.rank] = snapshotter.wanted_interval
+        try:
+            self.all_reduce(wanted)
+        except CollectiveAborted as exc:
+            self._recover(str(exc))
+            return
+        snapshotter.agree_interval(int(wanted.max()))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over every rank of the current generation; raises

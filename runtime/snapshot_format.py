@@ -5,12 +5,8 @@ data starts 8-byte aligned), then raw tensor bytes ordered by descending item si
 tensor is naturally aligned and ``read_tensors`` returns zero-copy views. Any payload opens
 with ``safetensors.safe_open`` / ``safetensors.torch.load``.
 
-Checksums are per tensor, ``"<algo>:<hex>"``. Measured on the 2-core CI machine over
-256 MiB (best of 3, one thread): sha256 1.00 GiB/s (SHA-NI), blake2b 0.91 GiB/s, zlib.crc32
-1.45 GiB/s, md5 0.58 GiB/s; sha256 with ``workers=2`` 1.87 GiB/s. The default is sha256:
-the manifest HMAC only authenticates the checksums, so they must be cryptographic for the
-payload to be authenticated too, and crc32 would buy 1.45x at the cost of that guarantee.
-``algo="crc32"`` remains for unsigned, integrity-only use (catches bit rot, not forgery).
+Checksums are per tensor, ``"<algo>:<hex>"``; ``runtime.checksum`` defines the algorithms
+(xxh3 by default, blake3 and sha256 when the HMAC must authenticate the tensor bytes too).
 """
 from __future__ import annotations
 
@@ -19,19 +15,19 @@ import hmac as hmac_lib
 import json
 import math
 import warnings
-import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, NamedTuple
 
 import torch
 
 from configs.errors import SnapshotCorrupt, SnapshotUnauthenticated
+from runtime.checksum import (ALGOS, DEFAULT_ALGO, HEX_LEN, Span, byte_view, check_algo,
+                              copy_and_digest, digest_spans)
 
 FORMAT_VERSION = 1
 MAX_HEADER_BYTES = 100_000_000          # safetensors' own cap
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
-_ALGOS = ("sha256", "blake2b", "crc32")
 
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -118,9 +114,18 @@ def plan_layout(tensors: Mapping[str, torch.Tensor],
     return SnapshotLayout(prefix, entries, len(prefix), len(prefix) + offset)
 
 
-def _bytes_view(buf: Any) -> memoryview:
-    view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+def _writable(buf: Any, layout: SnapshotLayout,
+              tensors: Mapping[str, torch.Tensor]) -> memoryview:
+    view = byte_view(buf)
+    if view.readonly:
+        raise ValueError("snapshot buffer is read-only")
+    if len(view) < layout.total_bytes:
+        raise ValueError(f"snapshot buffer holds {len(view)} bytes, layout needs "
+                         f"{layout.total_bytes}; plan a larger buffer")
+    if not layout.matches(tensors):
+        raise ValueError("tensors do not match the planned layout (names, dtypes or "
+                         "shapes changed); call plan_layout again")
+    return view
 
 
 def write_into(buf: Any, layout: SnapshotLayout, tensors: Mapping[str, torch.Tensor], *,
@@ -131,15 +136,7 @@ def write_into(buf: Any, layout: SnapshotLayout, tensors: Mapping[str, torch.Ten
     synchronize ``stream`` (the current stream when None) before reading ``buf``,
     computing ``checksums`` or changing the tensors. Called on the training thread. Raises
     ValueError when the buffer is read-only or too small, or the tensors do not match."""
-    view = _bytes_view(buf)
-    if view.readonly:
-        raise ValueError("snapshot buffer is read-only")
-    if len(view) < layout.total_bytes:
-        raise ValueError(f"snapshot buffer holds {len(view)} bytes, layout needs "
-                         f"{layout.total_bytes}; plan a larger buffer")
-    if not layout.matches(tensors):
-        raise ValueError("tensors do not match the planned layout (names, dtypes or "
-                         "shapes changed); call plan_layout again")
+    view = _writable(buf, layout, tensors)
     view[:layout.data_start] = layout.header
     dest = torch.frombuffer(view, dtype=torch.uint8, count=layout.total_bytes)
     waited = False
@@ -158,34 +155,38 @@ def write_into(buf: Any, layout: SnapshotLayout, tensors: Mapping[str, torch.Ten
             out.copy_(src.contiguous().view(-1).view(torch.uint8), non_blocking=non_blocking)
 
 
-def _digest(data: memoryview, algo: str) -> str:
-    if algo == "sha256":
-        return "sha256:" + hashlib.sha256(data).hexdigest()
-    if algo == "blake2b":
-        return "blake2b:" + hashlib.blake2b(data, digest_size=32).hexdigest()
-    if algo == "crc32":
-        return f"crc32:{zlib.crc32(data):08x}"
-    raise ValueError(f"unknown checksum algorithm {algo!r}; use one of {_ALGOS}")
+def _spans(layout: SnapshotLayout) -> list[Span]:
+    return [Span(name, layout.data_start + e.begin, layout.data_start + e.end)
+            for name, e in layout.entries.items()]
 
 
-def _entry_checksums(view: memoryview, data_start: int, entries: Mapping[str, TensorEntry],
-                     algos: Mapping[str, str], workers: int) -> dict[str, str]:
-    def one(name: str) -> str:
-        e = entries[name]
-        return _digest(view[data_start + e.begin:data_start + e.end], algos[name])
-    if workers <= 1 or len(entries) < 2:
-        return {name: one(name) for name in entries}
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="checksum") as pool:
-        return dict(zip(entries, pool.map(one, entries)))
+def _digest_parallel(view: memoryview, layout: SnapshotLayout, algos: Mapping[str, str],
+                     workers: int, pool: Executor | None) -> dict[str, str]:
+    if pool is not None or workers <= 1:
+        return digest_spans(view, _spans(layout), algos, pool=pool, workers=workers)
+    with ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="checksum") as own:
+        return digest_spans(view, _spans(layout), algos, pool=own, workers=workers)
 
 
-def checksums(buf: Any, layout: SnapshotLayout, *, algo: str = "sha256",
-              workers: int = 1) -> dict[str, str]:
-    """Per-tensor ``"<algo>:<hex>"`` over the tensor bytes in ``buf`` (hashlib releases
-    the GIL, so ``workers`` > 1 hashes tensors in parallel threads)."""
-    _digest(memoryview(b""), algo)          # reject an unknown algo before any work
-    return _entry_checksums(_bytes_view(buf), layout.data_start, layout.entries,
-                            dict.fromkeys(layout.entries, algo), workers)
+def checksums(buf: Any, layout: SnapshotLayout, *, algo: str = DEFAULT_ALGO,
+              workers: int = 1, pool: Executor | None = None) -> dict[str, str]:
+    """Per-tensor ``"<algo>:<hex>"`` over the tensor bytes in ``buf``, on ``workers``
+    threads (the caller's plus ``pool``'s, or a temporary pool)."""
+    check_algo(algo)
+    return _digest_parallel(byte_view(buf), layout, dict.fromkeys(layout.entries, algo),
+                            workers, pool)
+
+
+def write_checksummed(buf: Any, layout: SnapshotLayout, tensors: Mapping[str, torch.Tensor],
+                      *, algo: str = DEFAULT_ALGO, workers: int = 1,
+                      pool: Executor | None = None) -> dict[str, str]:
+    """``write_into`` and ``checksums`` fused for CPU tensors: each chunk is hashed right
+    after it is copied, on ``workers`` threads. Returns the per-tensor checksums."""
+    view = _writable(buf, layout, tensors)
+    if any(t.is_cuda for t in tensors.values()):
+        raise ValueError("write_checksummed copies CPU tensors; use write_into for CUDA")
+    view[:layout.data_start] = layout.header
+    return copy_and_digest(view, _spans(layout), tensors, algo, pool=pool, workers=workers)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -234,7 +235,7 @@ def _header_entry(name: str, raw: Any) -> TensorEntry:
 def parse_header(buf: Any) -> SnapshotLayout:
     """Validate a payload's header against the buffer; raises SnapshotCorrupt naming the
     tensor and the problem (truncation, bad JSON, dtype, size, overlap or gap)."""
-    view = _bytes_view(buf)
+    view = byte_view(buf)
     if len(view) < 8:
         raise SnapshotCorrupt(f"payload is {len(view)} bytes, shorter than its 8-byte "
                               "header length (truncated)")
@@ -278,7 +279,7 @@ def read_tensors(buf: Any, verify_against: Manifest | None = None, *, source: st
     tensor. Tensors over a read-only buffer (bytes) must not be written to. ``buf``
     must be exactly the payload: slice a larger slot to ``total_bytes`` first."""
     layout = parse_header(buf)
-    view = _bytes_view(buf)
+    view = byte_view(buf)
     if verify_against is not None:
         _verify_payload(view, layout, verify_against, source or "<payload>", workers)
     with warnings.catch_warnings():     # read-only buffers are documented above
@@ -295,6 +296,23 @@ def read_tensors(buf: Any, verify_against: Manifest | None = None, *, source: st
             raw = raw.clone()
         out[name] = raw.view(dtype).view(e.shape)
     return out
+
+
+def verify_snapshot(buf: Any, manifest: bytes, *, secret: bytes | None, source: str,
+                    workers: int = 1) -> Manifest:
+    """Check a stored snapshot without building tensors: the manifest parses, its HMAC
+    matches ``secret`` (when given), and the payload's header and every tensor checksum
+    agree with it. Returns the manifest; raises SnapshotCorrupt / SnapshotUnauthenticated
+    naming ``source`` and the first bad tensor."""
+    parsed = Manifest.from_json(manifest, source)
+    parsed.verify(secret, source)
+    view = byte_view(buf)
+    try:
+        layout = parse_header(view)
+    except SnapshotCorrupt as exc:
+        raise SnapshotCorrupt(f"{source}: {exc}") from exc
+    _verify_payload(view, layout, parsed, source, workers)
+    return parsed
 
 
 def _verify_payload(view: memoryview, layout: SnapshotLayout, manifest: Manifest,
@@ -314,14 +332,13 @@ def _verify_payload(view: memoryview, layout: SnapshotLayout, manifest: Manifest
                                   f"{list(e.shape)} at {layout.data_start + e.begin}, manifest "
                                   f"says {rec['dtype']} {rec['shape']} at {rec['offset']}")
     algos = {name: rec["checksum"].split(":", 1)[0] for name, rec in manifest.tensors.items()}
-    got = _entry_checksums(view, layout.data_start, layout.entries, algos, workers)
+    got = _digest_parallel(view, layout, algos, workers, None)
     for name in ordered:
         if not hmac_lib.compare_digest(got[name], manifest.tensors[name]["checksum"]):
             raise SnapshotCorrupt(f"{where}: tensor '{name}' checksum mismatch: manifest "
                                   f"{manifest.tensors[name]['checksum']}, bytes {got[name]}")
 
 
-_HEX_LEN = {"sha256": 64, "blake2b": 64, "crc32": 8}
 _HEXDIGITS = frozenset("0123456789abcdef")
 
 
@@ -347,8 +364,8 @@ def _tensor_problem(rec: Any, total: int) -> str | None:
     if rec["offset"] + rec["nbytes"] > total:
         return f"ends at {rec['offset'] + rec['nbytes']}, past total_bytes {total}"
     algo, _, digest = str(rec["checksum"]).partition(":")
-    if type(rec["checksum"]) is not str or not _is_hex(digest, _HEX_LEN.get(algo, -1)):
-        return f"checksum {rec['checksum']!r:.80} is not '<algo>:<hex>' with algo in {_ALGOS}"
+    if type(rec["checksum"]) is not str or not _is_hex(digest, HEX_LEN.get(algo, -1)):
+        return f"checksum {rec['checksum']!r:.80} is not '<algo>:<hex>' with algo in {list(ALGOS)}"
     return None
 
 

@@ -1,10 +1,12 @@
 """Per-step capture of one rank's state into keeper-owned shared memory.
 
-The training thread pays only for flattening the state and one copy per tensor into a
-reused, pre-faulted slot (a non-blocking device-to-host enqueue for CUDA tensors); the
-checksums, the manifest and the publish to the keeper run on a background thread, which
-the next capture waits for (double buffering: two slots, one being filled while the other
-holds the newest complete step).
+The training thread pays only for flattening the state and claiming a reused, pre-faulted
+slot (plus a non-blocking device-to-host enqueue for CUDA tensors). CPU tensors are copied
+into the slot and checksummed chunk by chunk on background threads while the next step's
+forward and backward run; whatever would modify a captured tensor in place (the optimizer
+step) first waits for that copy (``wait_for_copy``). The manifest and the publish to the
+keeper follow on the background thread, which the next capture waits for (double
+buffering: one slot being filled while another holds the newest complete step).
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from typing import Any, Mapping
 import torch
 
 from runtime.keeper_wire import KeeperClient
-from runtime.snapshot_format import SnapshotLayout, checksums, make_manifest, plan_layout, write_into
+from runtime.checksum import DEFAULT_ALGO, check_algo
+from runtime.snapshot_format import (SnapshotLayout, checksums, make_manifest, plan_layout,
+                                     write_checksummed, write_into)
 from runtime.state_tree import flatten_state
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,10 @@ class _IntervalController:
         self._cost_s = seconds if self._cost_s == 0 else 0.7 * self._cost_s + 0.3 * seconds
 
     @property
+    def auto(self) -> bool:
+        return self._fixed is None
+
+    @property
     def interval(self) -> int:
         if self._fixed is not None:
             return self._fixed
@@ -80,11 +88,17 @@ class Snapshotter:
     """
 
     def __init__(self, client: KeeperClient, *, job: str, rank: int, generation: int,
-                 secret: bytes | None, policy: SnapshotPolicy, checksum_algo: str = "sha256") -> None:
+                 secret: bytes | None, policy: SnapshotPolicy,
+                 checksum_algo: str = DEFAULT_ALGO, checksum_workers: int = 0) -> None:
         self._client = client
         self._job, self._rank, self._generation = job, rank, generation
         self._secret = secret
-        self._algo = checksum_algo
+        self._algo = check_algo(checksum_algo)
+        # copy + checksum threads: as many as torch's intra-op threads (the caller's share
+        # of the machine), the publishing thread among them
+        self._workers = checksum_workers or max(1, torch.get_num_threads())
+        self._helpers = ThreadPoolExecutor(self._workers - 1, thread_name_prefix=
+                                           "phalanx-checksum") if self._workers > 1 else None
         self._control = _IntervalController(policy)
         self._layout: SnapshotLayout | None = None
         self._maps: dict[str, mmap.mmap] = {}
@@ -93,6 +107,7 @@ class Snapshotter:
         self._cuda_stream: Any = None
         self._cuda_event: Any = None
         self._last_capture_step = -1
+        self._agreed: int | None = None    # the job-wide auto interval, set by the Session
         self._copied = threading.Event()
         self._copied.set()
         self._lock = threading.Lock()
@@ -107,11 +122,35 @@ class Snapshotter:
         return self._last_capture_step >= 0
 
     def rewind(self, step: int) -> None:
-        """After a rollback to ``step``: the next capture is counted from there."""
+        """After a rollback to ``step``: the next capture is counted from there (and a
+        job-wide auto interval starts again at 1, as it does on a fresh replacement)."""
         self._last_capture_step = step
+        if self._agreed is not None:
+            self._agreed = 1
+
+    @property
+    def auto(self) -> bool:
+        return self._control.auto
+
+    @property
+    def wanted_interval(self) -> int:
+        """The interval this rank's own measurements ask for."""
+        return self._control.interval
+
+    @property
+    def shares_interval(self) -> bool:
+        return self._agreed is not None
+
+    def agree_interval(self, interval: int) -> None:
+        """Snapshot every ``interval`` steps, as every rank agreed, instead of this rank's
+        own choice: every rank must snapshot the same steps, or no step would be complete
+        in a tier or committed across ranks."""
+        self._agreed = max(1, min(AUTO_MAX_INTERVAL, int(interval)))
+        self.stats.interval = self._agreed
 
     def due(self, step: int) -> bool:
-        return step - self._last_capture_step >= self._control.interval
+        interval = self._control.interval if self._agreed is None else self._agreed
+        return step - self._last_capture_step >= interval
 
     def observe_step(self, seconds: float) -> None:
         self._control.observe_step(seconds)
@@ -121,19 +160,22 @@ class Snapshotter:
         started = time.perf_counter()
         self.flush()
         tensors, spec = flatten_state(objects)
+        fresh = self._layout is None or not self._layout.matches(tensors)
         layout = self._layout_for(tensors)
-        slot, path = self._client.claim(self._rank)
-        buf = memoryview(self._maps[path])[:layout.total_bytes]
-        cuda = any(t.is_cuda for t in tensors.values())
-        event = None
-        if cuda:  # device-to-host copies enqueued on a side stream; an event marks the end
-            write_into(buf, layout, tensors, non_blocking=True, stream=self._stream())
+        event, target = None, None
+        if any(t.is_cuda for t in tensors.values()):
+            # device-to-host copies enqueued on a side stream into a claimed slot; an event
+            # marks their end
+            target = self._claim(layout)
+            write_into(target[1], layout, tensors, non_blocking=True, stream=self._stream())
             event = self._record_event()
-        else:  # the copy itself runs on the background thread; see wait_for_copy
+        else:  # claim, copy and checksums run on the background thread; see wait_for_copy
             self._copied.clear()
         stall = time.perf_counter() - started
-        self._pending = self._pool.submit(self._publish, step, slot, buf, layout, spec, event,
-                                          stall, None if cuda else tensors)
+        # a capture that allocated the slots (page faults, file creation) says nothing about
+        # the steady cost the auto interval is for
+        self._pending = self._pool.submit(self._publish, step, target, layout, spec, event,
+                                          None if fresh else stall, None if event else tensors)
         self._last_capture_step = step
         self.stats.last_stall_s = stall
         return stall
@@ -159,6 +201,8 @@ class Snapshotter:
             self.flush()
         finally:
             self._pool.shutdown(wait=True)
+            if self._helpers is not None:
+                self._helpers.shutdown(wait=True)
             for mapping in self._maps.values():
                 _close_map(mapping)
             self._maps.clear()
@@ -181,18 +225,27 @@ class Snapshotter:
                  layout.total_bytes, len(layout.entries), len(paths))
         return layout
 
-    def _publish(self, step: int, slot: int, buf: memoryview, layout: SnapshotLayout,
-                 spec: dict, event: Any, stall: float,
+    def _claim(self, layout: SnapshotLayout) -> tuple[int, memoryview]:
+        slot, path = self._client.claim(self._rank)
+        return slot, memoryview(self._maps[path])[:layout.total_bytes]
+
+    def _publish(self, step: int, target: tuple[int, memoryview] | None, layout: SnapshotLayout,
+                 spec: dict, event: Any, stall: float | None,
                  cpu_tensors: Mapping[str, torch.Tensor] | None) -> None:
         started = time.perf_counter()
-        if cpu_tensors is not None:
+        if cpu_tensors is not None:     # each chunk hashed right after it is copied
             try:
-                write_into(buf, layout, cpu_tensors)
+                slot, buf = self._claim(layout)
+                sums = write_checksummed(buf, layout, cpu_tensors, algo=self._algo,
+                                         workers=self._workers, pool=self._helpers)
             finally:
                 self._copied.set()
-        if event is not None:
+        else:
+            assert target is not None and event is not None
+            slot, buf = target
             event.synchronize()
-        sums = checksums(buf, layout, algo=self._algo)
+            sums = checksums(buf, layout, algo=self._algo, workers=self._workers,
+                             pool=self._helpers)
         manifest = make_manifest(layout, sums, job=self._job, rank=self._rank, step=step,
                                  generation=self._generation, tree_spec=spec,
                                  created_at=time.time())
@@ -200,12 +253,14 @@ class Snapshotter:
             manifest = manifest.sign(self._secret)
         self._client.publish(self._rank, step, slot, manifest.to_json(), layout.total_bytes)
         background = time.perf_counter() - started
-        self._control.observe_cost(stall + background)
+        if stall is not None:
+            self._control.observe_cost(stall + background)
         with self._lock:
             self.stats.captures += 1
             self.stats.last_step = step
             self.stats.last_background_s = background
-            self.stats.interval = self._control.interval
+            if self._agreed is None:
+                self.stats.interval = self._control.interval
 
     def _stream(self) -> Any:
         if self._cuda_stream is None:

@@ -10,7 +10,7 @@ import random
 import re
 import struct
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Mapping, MutableMapping
 
 import numpy as np
 import torch
@@ -154,7 +154,9 @@ def _float_bits(value: float) -> dict:
     return {"t": "float", "bits": struct.pack(">d", value).hex()}
 
 
-def _object_kind(obj: Any) -> str:
+def object_kind(obj: Any) -> str:
+    """How an object is captured: ``generator`` (``get_state``), ``state_dict`` (anything
+    with ``state_dict()``) or ``value`` (a plain value: JSON, tensors, arrays, containers)."""
     if isinstance(obj, torch.Generator):
         return "generator"
     return "state_dict" if callable(getattr(obj, "state_dict", None)) else "value"
@@ -170,7 +172,7 @@ def flatten_state(objects: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], 
     for name, obj in objects.items():
         if type(name) is not str:
             raise TypeError(f"registered object names must be str, got {name!r}")
-        kind = _object_kind(obj)
+        kind = object_kind(obj)
         if kind == "generator":
             tree = flat.encode(obj.get_state(), _join("", name))
         elif kind == "state_dict":
@@ -303,17 +305,18 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, Any]
 
 def apply_state(objects: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                 spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Load a snapshot into the registered objects in place; returns plain-value extras.
+    """Load a snapshot into the registered objects in place; returns the plain values.
 
     Stateful objects get ``load_state_dict`` (an nn.Module copies into its existing
-    parameters, so parameter identity is kept), generators ``set_state``. Plain values
-    cannot be rebound, so every one is returned as ``{name: value}``; as a convenience a
-    registered dict or list is also updated in place (clear + refill) and a registered
-    tensor of the same shape and dtype is ``copy_``-ed into, so references the user holds
-    see the restored content (the returned value is then that same object). Nothing in
-    the objects aliases ``tensors`` afterwards: everything but modules gets clones, so the
-    snapshot buffer may be reused at once. Raises ValueError when the registered names
-    differ from the snapshot's, SnapshotCorrupt when the spec is malformed.
+    parameters, so parameter identity is kept), generators ``set_state``. A plain value is
+    restored with ``assign_in_place`` (a dict or list is refilled, a tensor of the same
+    shape and dtype is ``copy_``-ed into, so references the user holds see the restored
+    content) and, when ``objects`` is mutable (a dict), rebound there: afterwards
+    ``objects[name]`` holds the restored value even for an int or a str. Every plain value
+    is also returned as ``{name: value}``. Nothing in the objects aliases ``tensors``
+    afterwards: everything but modules gets clones, so the snapshot buffer may be reused at
+    once. Raises ValueError when the registered names differ from the snapshot's,
+    SnapshotCorrupt when the spec is malformed.
     """
     names = _spec_objects(spec)
     if set(names) != set(objects):
@@ -324,20 +327,25 @@ def apply_state(objects: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     values: dict[str, Any] = {}
     for name, obj in objects.items():
         kind, tree = decoded[name]
-        if kind != _object_kind(obj):
+        if kind != object_kind(obj):
             raise ValueError(f"object '{name}' was captured as {kind} but is now "
-                             f"{_object_kind(obj)} ({type(obj).__name__})")
+                             f"{object_kind(obj)} ({type(obj).__name__})")
         if kind == "generator":
             obj.set_state(tree)
         elif kind == "state_dict":
             obj.load_state_dict(tree)
         else:
-            values[name] = _assign_in_place(obj, tree)
+            values[name] = assign_in_place(obj, tree)
+    if isinstance(objects, MutableMapping):  # after the loop: never mutate while iterating
+        objects.update(values)
     log.debug("event=state_applied objects=%d tensors=%d", len(objects), len(tensors))
     return values
 
 
-def _assign_in_place(old: Any, new: Any) -> Any:
+def assign_in_place(old: Any, new: Any) -> Any:
+    """``new``, written into ``old`` when it can be (same-type dict or list: refilled; tensor
+    of the same shape and dtype: copied into) so references to ``old`` see the new content;
+    returns the object that now holds the value (``old`` or ``new``)."""
     if type(old) is type(new) and isinstance(old, dict):
         old.clear()
         old.update(new)

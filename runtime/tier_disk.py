@@ -135,6 +135,16 @@ def atomic_write(path: Path, view: memoryview) -> None:
     _fsync_dir(path.parent)
 
 
+def _remove_stale_temps(step_dir: Path, names: tuple[str, ...]) -> None:
+    """Drop temp files a killed writer of these files left (one writer per rank)."""
+    for name in names:
+        for stale in step_dir.glob(f".{name}.*.tmp"):
+            try:
+                stale.unlink()
+            except FileNotFoundError:
+                pass
+
+
 # -------------------------------------------------------------------------- the tier
 
 class DiskTier:
@@ -166,6 +176,7 @@ class DiskTier:
         started = time.monotonic()
         try:
             self._ensure_step_dir(step_dir)
+            _remove_stale_temps(step_dir, (payload_name, manifest_name))
             atomic_write(step_dir / payload_name, view)
             atomic_write(step_dir / manifest_name, as_byte_view(manifest))
         except OSError as exc:

@@ -412,7 +412,32 @@ class S3Tier:
         return victims
 
     def check(self) -> None:
-        """HEAD the bucket (credentials, existence, owner). Raises TierUnavailable."""
+        """The launch check: HEAD the bucket (credentials, existence, owner), then put and
+        delete a small probe object under the prefix with the options every upload sends
+        (ExpectedBucketOwner, SSE), so a missing write or delete permission fails the
+        launch, not the first persisted step. Raises TierUnavailable naming the bucket,
+        the prefix and the fix."""
         self._retry("head_bucket", self._url(), lambda: self.client.head_bucket(**self._params()))
-        log.info("tier_check tier=s3 bucket=%s prefix=%s endpoint=%s", self._bucket, self._base,
-                 self._cfg.endpoint_url or "aws")
+        where = self._url(f"{self._base}/")
+        key = f"{self._base}/.phalanx-launch-check-{time.time_ns():x}-{random.getrandbits(32):08x}"
+        grant = (f"allow s3:PutObject and s3:DeleteObject on arn:aws:s3:::{self._bucket}/"
+                 f"{self._base}/*")
+        if self._cfg.sse == "aws:kms":
+            grant += " and kms:GenerateDataKey on tiers.s3.sse_kms_key_id"
+        fix = f"{grant}, or point tiers.s3.bucket / tiers.s3.prefix at a writable location"
+        try:
+            self._put(key, b"phalanx launch check\n", f"launch check object {self._url(key)}")
+        except (TierUnavailable, SnapshotNotFound) as exc:
+            raise TierUnavailable(f"tier s3: cannot write under {where} (bucket "
+                                  f"{self._bucket!r}, prefix {self._base!r}): {exc}; fix: "
+                                  f"{fix}") from exc
+        try:
+            self._retry("delete_object", self._url(key),
+                        lambda: self.client.delete_object(**self._params(key)))
+        except (TierUnavailable, SnapshotNotFound) as exc:
+            raise TierUnavailable(f"tier s3: cannot delete under {where} (bucket "
+                                  f"{self._bucket!r}, prefix {self._base!r}; retention needs "
+                                  f"it, and the check object {self._url(key)} was left behind): "
+                                  f"{exc}; fix: {fix}") from exc
+        log.info("tier_check tier=s3 bucket=%s prefix=%s endpoint=%s write=ok", self._bucket,
+                 self._base, self._cfg.endpoint_url or "aws")

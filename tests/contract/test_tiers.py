@@ -481,3 +481,73 @@ def test_s3_check_without_credentials_says_so(s3_config: S3TierConfig,
                                               no_credentials: None) -> None:
     with pytest.raises(TierUnavailable, match="credentials"):
         _s3_tier(s3_config).check()
+
+
+# ------------------------------------------------------------- s3 launch check: write probe
+
+def _keys(cfg: S3TierConfig) -> list[str]:
+    listed = _s3_tier(cfg).client.list_objects_v2(Bucket=cfg.bucket)
+    return [o["Key"] for o in listed.get("Contents", [])]
+
+
+def _refuse(operation: str, code: str = "AccessDenied", status: int = 403) -> Any:
+    """A before-call answer refusing ``operation`` the way S3 does (the bucket is real)."""
+    def handler(**_: Any) -> tuple[Any, dict[str, Any]]:
+        return SimpleNamespace(status_code=status), {
+            "Error": {"Code": code, "Message": "simulated refusal"},
+            "ResponseMetadata": {"HTTPStatusCode": status}}
+    return handler
+
+
+@pytest.mark.timeout(30)
+def test_s3_check_probes_writing_with_owner_and_sse_then_removes_the_probe(
+        s3_config: S3TierConfig) -> None:
+    owner = "123456789012"  # moto's account: the real server accepts the owner check
+    tier = _s3_tier(dataclasses.replace(s3_config, expected_owner=owner, sse="AES256"))
+    calls = _capture(tier)
+    tier.check()
+    puts = [p for op, p in calls if op == "PutObject"]
+    deletes = [p for op, p in calls if op == "DeleteObject"]
+    assert len(puts) == 1 and len(deletes) == 1
+    assert puts[0]["Key"] == deletes[0]["Key"] and puts[0]["Key"].startswith(f"phalanx/{JOB}/")
+    assert puts[0]["ServerSideEncryption"] == "AES256"
+    assert all(p["ExpectedBucketOwner"] == owner for _, p in calls)
+    assert _keys(s3_config) == []
+    tier.check()  # a second launch with the same prefix: a fresh probe key, removed again
+    assert _keys(s3_config) == []
+    assert tier.committed_steps() == []
+
+
+@pytest.mark.timeout(30)
+def test_s3_check_sends_kms_options_on_the_probe(s3_config: S3TierConfig) -> None:
+    cfg = dataclasses.replace(s3_config, sse="aws:kms", sse_kms_key_id="alias/phalanx")
+    tier = _s3_tier(cfg)
+    calls = _capture(tier)
+    tier.client.meta.events.register("before-call.s3.PutObject", _short_circuit)
+    tier.check()
+    puts = [p for op, p in calls if op == "PutObject"]
+    assert puts and puts[0]["ServerSideEncryption"] == "aws:kms"
+    assert puts[0]["SSEKMSKeyId"] == "alias/phalanx"
+
+
+@pytest.mark.timeout(30)
+def test_s3_check_refused_write_names_bucket_prefix_and_fix(s3_config: S3TierConfig) -> None:
+    tier = _s3_tier(dataclasses.replace(s3_config, prefix="team/ckpt"))
+    tier.client.meta.events.register("before-call.s3.PutObject", _refuse("PutObject"))
+    with pytest.raises(TierUnavailable) as info:
+        tier.check()
+    text = str(info.value)
+    assert f"s3://{s3_config.bucket}/team/ckpt/{JOB}/" in text
+    assert "AccessDenied" in text and "s3:PutObject" in text and "tiers.s3.prefix" in text
+    assert SECRET_ACCESS_KEY not in text
+    assert _keys(s3_config) == []
+
+
+@pytest.mark.timeout(30)
+def test_s3_check_refused_delete_says_the_probe_was_left(s3_config: S3TierConfig) -> None:
+    tier = _s3_tier(s3_config)
+    tier.client.meta.events.register("before-call.s3.DeleteObject", _refuse("DeleteObject"))
+    with pytest.raises(TierUnavailable, match="cannot delete") as info:
+        tier.check()
+    left = _keys(s3_config)
+    assert len(left) == 1 and left[0] in str(info.value) and "s3:DeleteObject" in str(info.value)

@@ -132,6 +132,17 @@ def test_ls_of_the_newest_run_from_a_config(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_verify_of_a_partial_step_fails_and_says_why(disk: DiskTier, secret_file: Path) -> None:
+    code, text, _ = _run("verify", *_disk_args(disk), "--step", "15", "--secret-file",
+                         str(secret_file))
+    assert code == 1, text
+    assert "1/1 ranks OK" in text and "no commit marker" in text and "not restorable" in text
+    code, _, out = _run("verify", *_disk_args(disk), "--step", "15", "--json")
+    report = json.loads(out)
+    assert code == 1 and report["committed"] is False and report["ok"] is False
+
+
+@pytest.mark.timeout(60)
 def test_verify_newest_committed_step_is_ok(disk: DiskTier, secret_file: Path) -> None:
     code, text, _ = _run("verify", *_disk_args(disk), "--secret-file", str(secret_file))
     assert code == 0, text
@@ -278,3 +289,76 @@ def test_s3_ls_and_verify(s3_config: S3TierConfig, tmp_path: Path, secret_file: 
 
     code, text, _ = _run("verify", "--config", str(config), "--step", "3")
     assert code == 2 and "step 3 does not exist in tier s3" in text
+
+
+def _s3_config_file(s3_config: S3TierConfig, tmp_path: Path) -> Path:
+    """A job config whose only tier is the test's S3 bucket."""
+    config = tmp_path / "s3-job.yaml"
+    config.write_text(yaml.safe_dump({
+        "job": {"name": JOB, "entrypoint": "train.py:main"},
+        "tiers": {"disk": {"enabled": False},
+                  "s3": {"enabled": True, "bucket": s3_config.bucket,
+                         "endpoint_url": s3_config.endpoint_url, "region": s3_config.region}}}))
+    return config
+
+
+def _s3_key(tier: S3Tier, bucket: str, step: int, name: str) -> str:
+    """The object key the tier stored ``name`` of ``step`` under, found by listing."""
+    suffix = f"step_{step:012d}/{name}"
+    keys = [o["Key"] for o in tier.client.list_objects_v2(Bucket=bucket)["Contents"]]
+    (key,) = [k for k in keys if k.endswith(suffix)]
+    return key
+
+
+@pytest.mark.timeout(60)
+def test_s3_verify_names_rank_step_and_tensor_of_a_corrupted_object(
+        s3_config: S3TierConfig, tmp_path: Path, secret_file: Path) -> None:
+    tier = S3Tier(s3_config, JOB, part_size=MIN_PART_SIZE, deadline_s=20.0)
+    _fill(tier)
+    payload, manifest_bytes = tier.read_rank(10, 1)
+    manifest = Manifest.from_json(manifest_bytes)
+    damaged = bytearray(payload)
+    damaged[manifest.tensors["half"]["offset"] + 1] ^= 0x40   # one bit of one tensor
+    key = _s3_key(tier, s3_config.bucket, 10, "rank_1.safetensors")
+    tier.client.put_object(Bucket=s3_config.bucket, Key=key, Body=bytes(damaged))
+    config = _s3_config_file(s3_config, tmp_path)
+
+    code, text, _ = _run("verify", "--config", str(config), "--secret-file", str(secret_file))
+    assert code == 1, text
+    assert "tier s3 step 10 rank 1: tensor 'half' checksum mismatch" in text
+    assert "tier s3 step 10: 1/2 ranks OK; HMAC checked" in text
+
+    code, _, out = _run("verify", "--config", str(config), "--step", "10", "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["ok"] and report["step"] == 10 and report["tier"] == "s3"
+    assert [(r["rank"], r["status"], r["tensor"]) for r in report["ranks"]] == \
+        [(0, "ok", ""), (1, "corrupt", "half")]
+
+    code, text, _ = _run("export", "--config", str(config), "--step", "10",
+                         "--out", str(tmp_path / "export"))
+    assert code == 1 and "export refused" in text and not (tmp_path / "export").exists()
+
+
+@pytest.mark.timeout(60)
+def test_s3_export_writes_safetensors_per_rank_equal_to_the_originals(
+        s3_config: S3TierConfig, tmp_path: Path, secret_file: Path) -> None:
+    _fill(S3Tier(s3_config, JOB, part_size=MIN_PART_SIZE, deadline_s=20.0))
+    out_dir = tmp_path / "export"
+    code, text, _ = _run("export", "--config", str(_s3_config_file(s3_config, tmp_path)),
+                         "--step", "5", "--out", str(out_dir), "--secret-file",
+                         str(secret_file))
+    assert code == 0, text
+    assert "exported tier s3 step 5 (2 ranks, HMAC checked)" in text
+    assert sorted(p.name for p in out_dir.iterdir()) == \
+        ["rank_0.json", "rank_0.safetensors", "rank_1.json", "rank_1.safetensors"]
+    for rank in RANKS:
+        original = _tensors(5, rank)
+        with safe_open(str(out_dir / f"rank_{rank}.safetensors"), "pt") as handle:
+            assert set(handle.keys()) == set(original)
+            for name, tensor in original.items():
+                got = handle.get_tensor(name)
+                assert got.dtype == tensor.dtype and torch.equal(got, tensor), (rank, name)
+            assert json.loads(handle.metadata()["phalanx_tree_spec"]) == _tree_spec(5, rank)
+        manifest = Manifest.from_json((out_dir / f"rank_{rank}.json").read_bytes())
+        manifest.verify(SECRET, source="export")
+        assert (manifest.rank, manifest.step) == (rank, 5)

@@ -244,10 +244,10 @@ def test_failing_tier_degrades_while_disk_commits(cluster, job: str, tmp_path: P
 class _RacingKeeper(Keeper):
     """A keeper whose worker overwrites step 5 right after the persister saw it held."""
 
-    def pin(self, rank: int, step: int | None = None) -> tuple[str, Any]:
+    def pin(self, rank: int, step: int | None = None, **kwargs: Any) -> tuple[str, Any]:
         if step == 5:
             self.drop(None, above_step=4)
-        return super().pin(rank, step)
+        return super().pin(rank, step, **kwargs)
 
 
 @pytest.mark.integration

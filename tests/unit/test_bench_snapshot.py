@@ -46,23 +46,23 @@ def test_quick_bench_writes_all_four_systems(tmp_path: Path) -> None:
     assert report["bench"] == "snapshot" and report["device"] == "cpu" and report["quick"]
     assert report["repeats"] == 2 and report["sizes_mib"] == [16]
     assert set(report["systems"]) == {"phalanx", "torch_save", "dcp_async", "limit"}
-    assert report["checksum_algos"] == ["sha256", "crc32"]
+    assert report["checksum_algos"] == ["xxh3", "blake3", "sha256"]
     assert set(report["targets"]) == {"stall_ratio_dcp_over_phalanx_min",
                                       "throughput_vs_limit_min"}
     assert report["notes"] and isinstance(report["warnings"], list)
     assert positive(report["machine"]["cpus"])
-    assert all(positive(report["checksum_gbps_one_core"][a]) for a in ("sha256", "crc32"))
+    assert all(positive(report["checksum_gbps_one_core"][a]) for a in ("xxh3", "blake3", "sha256"))
     if report["png"] is not None:
         assert Path(report["png"]).stat().st_size > 0
 
     [result] = report["results"]
     assert result["size_mib"] == 16 and result["tensors"] >= 8
-    assert result["checksum_algos"] == ["sha256", "crc32"]
+    assert result["checksum_algos"] == ["xxh3", "blake3", "sha256"]
     assert 15 << 20 <= result["bytes"] <= 17 << 20
 
     assert result["limit"]["kind"] == "memcpy" and positive(result["limit"]["gbps"])
     check_summary(result["limit"]["seconds"], "limit")
-    for algo in ("sha256", "crc32"):
+    for algo in ("xxh3", "blake3", "sha256"):
         ph = result["phalanx"][algo]
         for key in ("stall_s", "landed_s", "complete_s"):
             check_summary(ph[key], f"phalanx {algo} {key}")
@@ -83,7 +83,7 @@ def test_quick_bench_writes_all_four_systems(tmp_path: Path) -> None:
     assert positive(result["dcp_async"]["throughput_gbps"])
 
     # the markdown table and the verdicts were printed
-    assert "| 16 MiB | sha256 |" in stdout and "| 16 MiB | crc32 |" in stdout
+    assert all(f"| 16 MiB | {a} |" in stdout for a in ("xxh3", "blake3", "sha256"))
     assert "stall DCP/phalanx" in stdout
 
     # nothing of this run is left in shared memory (keeper slots, torch.save/DCP tmp dir)

@@ -88,6 +88,14 @@ def test_ints_are_accepted_for_floats(tmp_path: Path) -> None:
     assert cfg.job.cpus_per_worker == 0.1
 
 
+def test_tier_every_s_defaults_off_and_loads_as_seconds(tmp_path: Path) -> None:
+    assert (minimal().tiers.disk.every_s, minimal().tiers.s3.every_s) == (0.0, 0.0)
+    cfg = load_config(write(tmp_path, BASE + "tiers:\n  disk:\n    every_s: 600\n"),
+                      ["tiers.s3.every_s=30.5"], env={})
+    assert cfg.tiers.disk.every_s == 600.0 and isinstance(cfg.tiers.disk.every_s, float)
+    assert cfg.tiers.s3.every_s == 30.5
+
+
 def test_relative_paths_stay_as_written(tmp_path: Path) -> None:
     text = BASE.replace(ENTRY, "rel/train.py:main") + (
         "  run_dir: runs\ntiers:\n  disk:\n    path: ckpt\ndrills:\n  scenario: d.yaml\n"
@@ -194,6 +202,10 @@ BAD = [
      "tiers.s3.bucket", "file", 4, "is required when tiers.s3.enabled"),
     ("s3-bad-sse", BASE + "tiers:\n  s3:\n    enabled: true\n    bucket: b\n    sse: rot13\n",
      [], "", "tiers.s3.sse", "file", 7, "'rot13' is unknown"),
+    ("disk-every-s-negative", BASE + "tiers:\n  disk:\n    every_s: -5\n", [], "",
+     "tiers.disk.every_s", "file", 5, "-5.0 is not a number of seconds >= 0"),
+    ("s3-every-s-negative", BASE, ["tiers.s3.every_s=-1"], "",
+     "tiers.s3.every_s", "--set", None, "is not a number of seconds >= 0"),
     ("every-steps-sometimes", BASE + "snapshot:\n  every_steps: sometimes\n", [], "",
      "snapshot.every_steps", "file", 4, "got 'sometimes' (str), expected int or 'auto'"),
     ("overhead-budget-1.5", BASE + "snapshot:\n  overhead_budget: 1.5\n", [], "",

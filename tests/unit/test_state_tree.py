@@ -8,6 +8,7 @@ import random
 import struct
 from collections import OrderedDict, namedtuple
 from enum import IntEnum
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -385,3 +386,17 @@ def test_restored_state_does_not_alias_the_snapshot_buffer() -> None:
     buf[layout.data_start:] = bytes(len(buf) - layout.data_start)   # the slot is reused
     assert_same(expected_opt, opt_b.state_dict())
     assert_same(expected_model, model_b.state_dict())
+
+
+@pytest.mark.timeout(10)
+def test_plain_values_are_rebound_in_the_registered_dict() -> None:
+    tensors, spec = flatten_state({"epoch": 7, "name": "warm", "best": 0.25, "ids": [1, 2]})
+    ids = [0]
+    registered: dict[str, Any] = {"epoch": 0, "name": "", "best": math.inf, "ids": ids}
+    values = apply_state(registered, tensors, spec)
+    assert registered == {"epoch": 7, "name": "warm", "best": 0.25, "ids": [1, 2]}
+    assert registered["ids"] is ids                         # mutable values keep identity
+    assert values == registered
+    read_only = MappingProxyType({"epoch": 0})             # cannot be rebound: returned only
+    assert apply_state(read_only, *flatten_state({"epoch": 7})) == {"epoch": 7}
+    assert read_only["epoch"] == 0

@@ -1,0 +1,98 @@
+"""The snapshot interval: a fixed ``every_steps``, or ``auto`` — the most frequent interval
+whose measured snapshot cost stays within ``overhead_budget`` of the step time."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.snapshotter import (AUTO_MAX_INTERVAL, SnapshotPolicy, Snapshotter,
+                                 _IntervalController)
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+
+def auto(step_s: float, cost_s: float, budget: float = 0.03) -> _IntervalController:
+    control = _IntervalController(SnapshotPolicy("auto", budget))
+    control.observe_step(step_s)
+    control.observe_cost(cost_s)
+    return control
+
+
+@pytest.mark.parametrize("every", [1, 5, 250])
+def test_fixed_interval_ignores_measurements(every: int) -> None:
+    control = _IntervalController(SnapshotPolicy(every, 0.03))
+    assert control.interval == every
+    control.observe_step(0.001)
+    control.observe_cost(10.0)
+    assert control.interval == every
+
+
+def test_auto_snapshots_every_step_until_both_times_are_measured() -> None:
+    control = _IntervalController(SnapshotPolicy("auto", 0.03))
+    assert control.interval == 1
+    control.observe_step(0.001)
+    assert control.interval == 1                 # no snapshot cost measured yet
+    control = _IntervalController(SnapshotPolicy("auto", 0.03))
+    control.observe_cost(10.0)
+    assert control.interval == 1                 # no step time measured yet
+
+
+@pytest.mark.parametrize("step_s, cost_s, budget, want", [
+    (1.0, 0.01, 0.03, 1),        # cheap: 1% of a step fits a 3% budget every step
+    (1.0, 0.03, 0.03, 1),        # exactly the budget
+    (1.0, 0.031, 0.03, 2),       # just over: every other step
+    (0.1, 0.5, 0.03, 167),       # expensive: 0.5 s / (0.03 * 0.1 s) = 166.7 -> 167
+    (0.2, 0.05, 0.10, 3),        # a looser budget: 0.05 / 0.02 = 2.5 -> 3
+])
+def test_auto_picks_the_most_frequent_interval_within_budget(step_s: float, cost_s: float,
+                                                             budget: float, want: int) -> None:
+    assert auto(step_s, cost_s, budget).interval == want
+
+
+def test_auto_interval_is_capped() -> None:
+    assert auto(0.001, 100.0).interval == AUTO_MAX_INTERVAL
+    assert auto(1e-9, 1e9, 1e-6).interval == AUTO_MAX_INTERVAL
+
+
+@settings(max_examples=300, deadline=None)
+@given(step_s=st.floats(1e-4, 10.0), cost_s=st.floats(1e-6, 100.0),
+       budget=st.floats(1e-3, 1.0))
+def test_auto_respects_the_budget_and_its_bounds(step_s: float, cost_s: float,
+                                                 budget: float) -> None:
+    interval = auto(step_s, cost_s, budget).interval
+    assert isinstance(interval, int) and 1 <= interval <= AUTO_MAX_INTERVAL
+    overhead = cost_s / (interval * step_s)
+    if interval < AUTO_MAX_INTERVAL:             # uncapped: within budget (float rounding aside)
+        assert overhead <= budget * (1 + 1e-9)
+    else:                                        # capped only when the budget needs more
+        assert cost_s / ((AUTO_MAX_INTERVAL - 1) * step_s) > budget * (1 - 1e-9)
+    if interval > 1:                             # and the most frequent such interval
+        assert cost_s / ((interval - 1) * step_s) > budget * (1 - 1e-9)
+
+
+def test_auto_follows_changing_costs_through_its_averages() -> None:
+    control = auto(0.1, 0.5)
+    assert control.interval == 167
+    for _ in range(60):                          # snapshots got cheap (smaller state)
+        control.observe_cost(0.002)
+    assert control.interval == 1
+    for _ in range(80):                          # steps got much faster
+        control.observe_step(0.001)
+    assert control.interval == math.ceil(0.002 / (0.03 * 0.001)) == 67
+
+
+def test_snapshotter_due_counts_from_the_last_capture() -> None:
+    no_keeper: Any = None                                   # due() never calls the keeper
+    snapshotter = Snapshotter(no_keeper, job="j", rank=0, generation=0, secret=None,
+                              policy=SnapshotPolicy("auto", 0.03), checksum_workers=1)
+    try:
+        snapshotter.observe_step(0.1)
+        snapshotter._control.observe_cost(0.012)          # 0.012 / (0.03 * 0.1) = 4
+        snapshotter.rewind(10)
+        assert [s for s in range(10, 20) if snapshotter.due(s)] == list(range(14, 20))
+    finally:
+        snapshotter.close()
