@@ -21,11 +21,12 @@ process, one line of progress per measurement:
               fails); each save is waited for before the next. stall = until async_save
               returns; complete = until its future is done.
 
-Every system is set up once per size and warmed up once; then the repeats run round-robin,
-the order rotated by one every repeat (limit, phalanx per algorithm, torch.save, DCP; then
-phalanx first, ...), so load from other processes and a cold cache skew all of them alike,
-and each measurement starts right after the state was rewritten in place (as after an
-optimizer step); medians over ``--repeats``. Also measured: one core's speed for
+Every system is set up once per size and warmed up once; then the limit and phalanx (per
+algorithm) repeat round-robin, the order rotated by one every repeat, so load from other
+processes skews all of them alike; torch.save and DCP follow in a second round-robin (their
+tmpfs files, written and deleted, slowed the next copy up to 2x). Each system runs twice
+back to back and the second run is measured (hot, as snapshots run in a training loop);
+medians over ``--repeats``. Also measured: one core's speed for
 each checksum, which bounds the completion throughput.
 
 Writes ``<out>/snapshot[_cuda].json`` and ``.png`` (when matplotlib is importable) and prints
@@ -136,15 +137,6 @@ class CopyLimit:
 
     def close(self) -> None:
         del self.state, self.dst
-
-
-def touch(model: nn.Module, device: str) -> None:
-    """Rewrite every state tensor in place (x * 1, bit-exact), as an optimizer step does,
-    so each measured copy starts from the same cache and thread state."""
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            t.mul_(1)
-    _sync(device)
 
 
 class PhalanxRun:
@@ -260,6 +252,10 @@ def _algos_that_fit(nbytes: int, shm_dir: str, tag: str) -> tuple[str, ...]:
                      f"state needs {need(1) / MiB:.0f} MiB; pass --shm-dir on a larger tmpfs")
 
 
+def _discard(key: str, value: float) -> None:
+    """The ``add`` of a warm-up run: its numbers are not kept."""
+
+
 def _measure(kind: str, run: PhalanxRun | None, rep: str, model: nn.Module, limit: CopyLimit,
              tmp: str, i: int, add: Callable[[str, float], None], nbytes: int) -> None:
     if kind == "limit":
@@ -320,15 +316,23 @@ def bench_size(size_mib: int, device: str, repeats: int, shm_dir: str) -> dict[s
         warm["dcp_async"] = dcp_once(model, os.path.join(tmp, "dcp-warmup"))[1]
         progress(f"{tag} warm-up (keeper slots {len(runs) * 2} x {nbytes / MiB:.0f} MiB, first "
                  f"save of each): " + ", ".join(f"{k} {v:.2f} s" for k, v in warm.items()))
-        for i in range(1, repeats + 1):
-            rep = f"{tag} rep {i}/{repeats}"
-            # rotate the order every repeat so no system always runs first (on a cold cache)
-            order = [("limit", None)] + [("phalanx", run) for run in runs] + \
-                [("torch_save", None), ("dcp", None)]
-            shift = (i - 1) % len(order)
-            for kind, run in order[shift:] + order[:shift]:
-                touch(model, device)
-                _measure(kind, run, rep, model, limit, tmp, i, add, nbytes)
+        # phase 1: the copy limit and phalanx, round-robin in a rotating order; phase 2:
+        # torch.save and DCP, which write and delete tmpfs files whose aftermath (pages
+        # freed and zeroed) slowed whichever copy ran next by up to 2x here
+        copiers = [("limit", None)] + [("phalanx", run) for run in runs]
+        for phase in (copiers, [("torch_save", None), ("dcp", None)]):
+            for i in range(1, repeats + 1):
+                rep = f"{tag} rep {i}/{repeats}"
+                shift = (i - 1) % len(phase)
+                for kind, run in phase[shift:] + phase[:shift]:
+                    # back to back, the second one measured: every system runs hot, on a
+                    # cache its own first run filled, as snapshots do in a training loop
+                    # (after an idle gap, or right after torch's OpenMP workers ran, a copy
+                    # measured up to 2x slower: idle virtual CPUs wake slowly, and OpenMP
+                    # workers spin for a while, taking a core)
+                    _measure(kind, run, f"{rep} (warm-up)", model, limit, tmp, i, _discard,
+                             nbytes)
+                    _measure(kind, run, rep, model, limit, tmp, i, add, nbytes)
         result["limit"] = {"kind": limit.kind, "seconds": summary(s["limit"]),
                            "gbps": gbps(nbytes, median(s["limit"])),
                            "best_gbps": gbps(nbytes, min(s["limit"])),

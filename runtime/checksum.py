@@ -61,6 +61,9 @@ def check_algo(algo: str) -> str:
     return algo
 
 
+_Copy = Callable[[int, int], None]     # copies payload bytes [begin, end) into the buffer
+
+
 def _units(spans: Sequence[Span], algos: Mapping[str, str]) -> list[_Unit]:
     out: list[_Unit] = []
     for span in spans:
@@ -83,8 +86,7 @@ def _share(units: list[_Unit], workers: int) -> list[list[_Unit]]:
     return [sorted(share, key=lambda u: u.begin) for share in shares if share]
 
 
-def _hash_unit(dst: memoryview, unit: _Unit, algo: str,
-               copy: Callable[[int, int], None] | None) -> bytes:
+def _hash_unit(dst: memoryview, unit: _Unit, algo: str, copy: _Copy | None) -> bytes:
     """Digest of one unit (a leaf digest for xxh3), copying it chunk by chunk first."""
     if algo == "xxh3":
         if copy is not None:
@@ -114,12 +116,11 @@ def _combine(spans: Sequence[Span], algos: Mapping[str, str],
 
 
 def _run(spans: Sequence[Span], algos: Mapping[str, str], dst: memoryview,
-         copier: Callable[[str], Callable[[int, int], None] | None],
-         pool: Executor | None, workers: int) -> dict[str, str]:
+         copies: Mapping[str, _Copy], pool: Executor | None, workers: int) -> dict[str, str]:
     units = _units(spans, algos)
 
     def work(share: list[_Unit]) -> list[tuple[tuple[str, int], bytes]]:
-        return [((u.name, u.leaf), _hash_unit(dst, u, algos[u.name], copier(u.name)))
+        return [((u.name, u.leaf), _hash_unit(dst, u, algos[u.name], copies.get(u.name)))
                 for u in share]
 
     shares = _share(units, max(1, workers if pool is not None else 1))
@@ -136,7 +137,7 @@ def digest_spans(buf: Any, spans: Sequence[Span], algos: Mapping[str, str], *,
     with a ``pool``, ``workers`` threads (the caller's among them) hash in parallel."""
     for algo in set(algos.values()):
         check_algo(algo)
-    return _run(spans, algos, byte_view(buf), lambda name: None, pool, workers)
+    return _run(spans, algos, byte_view(buf), {}, pool, workers)
 
 
 def copy_and_digest(buf: Any, spans: Sequence[Span], tensors: Mapping[str, torch.Tensor],
@@ -148,16 +149,14 @@ def copy_and_digest(buf: Any, spans: Sequence[Span], tensors: Mapping[str, torch
     check_algo(algo)
     dst = byte_view(buf)
     dst_np = np.frombuffer(dst, dtype=np.uint8)
-    starts = {span.name: span.begin for span in spans}
-    sources = {name: _as_bytes(tensors[name]) for name in starts}
-
-    def copier(name: str) -> Callable[[int, int], None]:
-        src, base = sources[name], starts[name]
+    def copier(span: Span) -> _Copy:
+        src, base = _as_bytes(tensors[span.name]), span.begin
 
         def copy(begin: int, end: int) -> None:
             np.copyto(dst_np[begin:end], src[begin - base:end - base])
         return copy
-    return _run(spans, dict.fromkeys(starts, algo), dst, copier, pool, workers)
+    copies = {span.name: copier(span) for span in spans}
+    return _run(spans, dict.fromkeys(copies, algo), dst, copies, pool, workers)
 
 
 def byte_view(buf: Any) -> memoryview:
