@@ -105,7 +105,7 @@ class RayConfig:
     cpus_per_node: float = doc("logical CPUs each virtual node offers", 2.0)
     object_store_mb: int = doc("object store size per virtual node, MiB", 80)
     health_check_period_ms: int = doc("how often Ray checks raylets (node death is declared after "
-                                      "period x threshold)", 500)
+                                      "period x threshold)", 1000)
     health_check_failure_threshold: int = doc("missed checks before a node is declared dead "
                                               "(too low and a busy machine loses healthy nodes)", 5)
 
