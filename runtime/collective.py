@@ -4,8 +4,9 @@ a newer generation is announced, and re-formed on a fresh ``PrefixStore`` per ge
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,14 @@ class CollectiveAborted(TransientError):
 class Collective:
     """Owned by the Session on the training thread."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
-        self._store = store
+    def __init__(self, connect: Callable[[], dist.Store], rank: int, world_size: int,
+                 timeout_s: float) -> None:
+        """``connect`` opens a client of the job's TCPStore: one per formation that starts
+        while an abandoned one still blocks its client (a TCPStore client serves one call
+        at a time, so the stuck barrier would hold the next one until its timeout)."""
+        self._connect = connect
+        self._store = connect()
+        self._forming: threading.Thread | None = None
         self._rank = rank
         self._world_size = world_size
         self._timeout_s = timeout_s
@@ -38,15 +45,48 @@ class Collective:
     def group(self) -> dist.ProcessGroup | None:
         return self._group
 
-    def form(self, generation: int, rank: int | None = None, world_size: int | None = None) -> None:
-        """Build ``generation``'s group (a barrier of every rank of that generation)."""
+    def form(self, generation: int, rank: int | None = None, world_size: int | None = None,
+             should_abort: Callable[[], bool] = lambda: False) -> None:
+        """Build ``generation``'s group (a barrier of every rank of that generation).
+
+        The barrier runs on a helper thread while this one polls ``should_abort``: a peer
+        that never comes (its node died before anyone noticed) or a newer generation
+        announced meanwhile raises ``CollectiveAborted`` at once instead of blocking until
+        the group timeout; the half-built group is parked, like an abandoned collective."""
         if rank is not None:
             self._rank = rank
         if world_size is not None:
             self._world_size = world_size
         self.abandon()
-        self._group = form_group(self._store, generation, self._rank, self._world_size,
-                                 self._timeout_s)
+        built: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                built["group"] = form_group(self._store, generation, self._rank,
+                                            self._world_size, self._timeout_s)
+            except Exception as exc:  # the thread's boundary: becomes CollectiveAborted
+                built["error"] = exc
+            if "group" in built and built.get("abandoned"):
+                self._parked.append(built["group"])   # formed too late: never destroyed
+
+        if self._forming is not None and self._forming.is_alive():
+            self._store = self._connect()
+        thread = threading.Thread(target=build, name=f"phalanx-form-gen{generation}",
+                                  daemon=True)
+        self._forming = thread
+        thread.start()
+        pause = 0.0005
+        while thread.is_alive():
+            if should_abort():
+                built["abandoned"] = True
+                raise CollectiveAborted(f"a newer generation began while generation "
+                                        f"{generation}'s group was forming")
+            thread.join(pause)
+            pause = min(pause * 2, 0.02)
+        if "error" in built:
+            message = str(built["error"]).splitlines()[0][-200:]
+            raise CollectiveAborted(f"generation {generation}'s group did not form: {message}")
+        self._group = built["group"]
         self.generation = generation
 
     def abandon(self) -> None:

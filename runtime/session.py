@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -128,9 +128,14 @@ class Session:
             self._apply_restore(int(restore["step"]), restore["sources"], ctx.generation)
             self._awaiting_first_step = True
         if not ctx.standalone_run:
-            store = connect_store(ctx, ctx.group_timeout_s)
-            self._collective = Collective(store, ctx.rank, ctx.world_size, ctx.group_timeout_s)
-            self._collective.form(ctx.generation)
+            self._collective = Collective(lambda: connect_store(ctx, ctx.group_timeout_s),
+                                          ctx.rank, ctx.world_size, ctx.group_timeout_s)
+            try:
+                self._collective.form(ctx.generation, should_abort=self._superseded(ctx.generation))
+            except CollectiveAborted as exc:  # e.g. a second node died while this rank started
+                if self._watcher is None:
+                    raise
+                self._recover(str(exc))
         if self._membership is not None:
             self._membership.join(self._record(), ctx.lease_ttl_s)
             self._heartbeat = threading.Thread(target=self._beat, name="phalanx-heartbeat",
@@ -292,6 +297,10 @@ class Session:
             return
         snapshotter.agree_interval(int(wanted.max()))
 
+    def _superseded(self, generation: int) -> Callable[[], bool]:
+        watcher = self._watcher
+        return lambda: watcher is not None and watcher.newer_than(generation)
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over every rank of the current generation; raises
         ``CollectiveAborted`` (handled by ``step()``) when a peer fails."""
@@ -322,7 +331,12 @@ class Session:
                          f"{assignment.worker if assignment else 'nobody'}, not "
                          f"{self.context.worker_id}")
         self._apply_restore(plan.restore_step, assignment.sources, plan.generation)
-        self._collective.form(plan.generation, world_size=plan.world_size)
+        try:
+            self._collective.form(plan.generation, world_size=plan.world_size,
+                                  should_abort=self._superseded(plan.generation))
+        except CollectiveAborted as exc:    # another fault while re-forming: next plan
+            self._recover(str(exc))
+            return
         self.generation = plan.generation
         self._awaiting_first_step = True
         self.recoveries += 1

@@ -68,7 +68,7 @@ def test_quick_bench_writes_all_four_systems(tmp_path: Path) -> None:
             check_summary(ph[key], f"phalanx {algo} {key}")
             assert len(ph[key]["samples"]) == 2
         assert ph["stall_s"]["median"] <= ph["complete_s"]["median"]
-        assert ph["published_step"] == 2
+        assert ph["published_step"] == 2 * report["repeats"]  # each repeat runs twice
         assert ph["snapshot_bytes"] >= result["bytes"]
         for key in ("warmup_s", "throughput_gbps", "copy_gbps"):
             assert positive(ph[key]), (algo, key)
