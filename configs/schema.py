@@ -104,10 +104,13 @@ class RayConfig:
     virtual_nodes: int = doc("raylets of the local Ray, each with resource phalanx_node_<i>", 2)
     cpus_per_node: float = doc("logical CPUs each virtual node offers", 2.0)
     object_store_mb: int = doc("object store size per virtual node, MiB", 80)
-    health_check_period_ms: int = doc("how often Ray checks raylets (node death is declared after "
-                                      "period x threshold)", 1000)
-    health_check_failure_threshold: int = doc("missed checks before a node is declared dead "
-                                              "(too low and a busy machine loses healthy nodes)", 5)
+    health_check_period_ms: int = doc("how often Ray checks raylets (a killed node is declared "
+                                      "dead after period x threshold)", 500)
+    health_check_failure_threshold: int = doc("missed checks before a node is declared dead", 5)
+    health_check_timeout_ms: int = doc(
+        "how long one check may take before it counts as missed: a busy live raylet answers "
+        "late (1 s made a loaded 2-core machine lose healthy nodes), a killed one refuses at "
+        "once, so this does not delay noticing a dead node", 10000)
 
     def __post_init__(self) -> None:
         _require(self.virtual_nodes >= 1, "ray.virtual_nodes", f"{self.virtual_nodes} is below 1",
@@ -120,6 +123,8 @@ class RayConfig:
                  f"{self.health_check_period_ms} is below 10 ms", "use 100-1000")
         _require(self.health_check_failure_threshold >= 1, "ray.health_check_failure_threshold",
                  f"{self.health_check_failure_threshold} is below 1", "use 3")
+        _require(self.health_check_timeout_ms >= 100, "ray.health_check_timeout_ms",
+                 f"{self.health_check_timeout_ms} is below 100 ms", "use 10000")
 
 
 @dataclass(frozen=True)

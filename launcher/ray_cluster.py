@@ -95,7 +95,7 @@ class LocalRay:
                 "health_check_period_ms": self._cfg.health_check_period_ms,
                 "health_check_failure_threshold": self._cfg.health_check_failure_threshold,
                 "health_check_initial_delay_ms": 0,
-                "health_check_timeout_ms": max(100, self._cfg.health_check_period_ms),
+                "health_check_timeout_ms": self._cfg.health_check_timeout_ms,
             },
         }
 
