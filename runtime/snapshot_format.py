@@ -28,6 +28,7 @@ from runtime.checksum import (ALGOS, DEFAULT_ALGO, HEX_LEN, Span, byte_view, che
 FORMAT_VERSION = 1
 MAX_HEADER_BYTES = 100_000_000          # safetensors' own cap
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+DATA_ALIGN = 64      # tensor data starts on a cache line: copies into the slot run aligned
 
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -106,7 +107,7 @@ def plan_layout(tensors: Mapping[str, torch.Tensor],
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
+    text += b" " * (-(8 + len(text)) % DATA_ALIGN)
     if len(text) > MAX_HEADER_BYTES:
         raise ValueError(f"snapshot header would be {len(text)} bytes, over the "
                          f"{MAX_HEADER_BYTES}-byte cap; snapshot fewer, larger tensors")
