@@ -16,7 +16,7 @@ from typing import Any, Callable
 from configs.errors import ConfigError, PeerUnreachable, SnapshotNotFound, StaleGeneration
 from runtime.keeper_wire import KeeperClient, KeeperRequestInvalid, SlotBusy, handle
 from runtime.replica_receiver import TensorIndex
-from runtime.shm import (Held, RankSlots, ShmBuffer, check_capacity, mem_available, memory_plan,
+from runtime.shm import (Held, RankSlots, ShmBuffer, check_capacity, memory_plan,
                          owned_names, pick_slot, remove_stale, shm_prefix, validate_name)
 from runtime.transport import DEFAULT_MAX_PAYLOAD, FrameServer, Reply, Request
 
@@ -151,27 +151,19 @@ class Keeper:
         ``snapshot.rank_size_mb`` is set). Called by ``alloc`` under ``_alloc_lock``.
         """
         need = memory_plan(nbytes, 1, self.slots, 0, 0)
-        stat = os.statvfs(self.shm_dir)
-        free = stat.f_bavail * stat.f_frsize
-        available = mem_available()
-        limits = [f"{self.shm_dir} has {free} bytes free ({free / 2**30:.2f} GiB)"]
-        short = need > free
-        if available is not None:
-            limits.append(f"MemAvailable is {available} bytes ({available / 2**30:.2f} GiB)")
-            short = short or need > available
-        if not short:
-            return
-        log.warning("keeper.alloc_refused node=%s rank=%d nbytes=%d slots=%d need=%d free=%d "
-                    "mem_available=%s", self.node, rank, nbytes, self.slots, need, free,
-                    available)
-        raise ConfigError(
-            "snapshot.shm_dir",
-            f"keeper {self.node}: rank {rank}'s snapshots need {self.slots} slots x {nbytes} "
-            f"bytes = {need} bytes ({need / 2**30:.2f} GiB) in {self.shm_dir}, but "
-            + " and ".join(limits),
-            f"point `snapshot.shm_dir` at a larger tmpfs than {self.shm_dir}, snapshot a "
-            f"smaller state, use fewer `snapshot.slots` (now {self.slots}), or set "
-            "`snapshot.rank_size_mb` so the launcher refuses before start")
+        try:
+            check_capacity(
+                need, self.shm_dir,
+                what=f"keeper {self.node}: rank {rank}'s snapshots ({self.slots} slots x "
+                     f"{nbytes} bytes in {self.shm_dir})",
+                hint=f"point `snapshot.shm_dir` at a larger tmpfs than {self.shm_dir}, "
+                     f"snapshot a smaller state, use fewer `snapshot.slots` (now "
+                     f"{self.slots}), or set `snapshot.rank_size_mb` so the launcher refuses "
+                     "before start")
+        except ConfigError:
+            log.warning("keeper.alloc_refused node=%s rank=%d nbytes=%d slots=%d need=%d",
+                        self.node, rank, nbytes, self.slots, need)
+            raise
 
     def _retire_layout(self, table: RankSlots) -> list[Held]:
         ready = [h for h in table.slots + table.retired if h.state == "ready"]

@@ -217,29 +217,32 @@ def memory_plan(per_rank_bytes: int, ranks_on_node: int, slots: int,
     return local + replicas
 
 
-def check_capacity(required_bytes: int, shm_dir: str) -> None:
-    """Raise ConfigError(snapshot.shm_dir) unless ``shm_dir`` and RAM can hold ``required_bytes``.
+def check_capacity(required_bytes: int, shm_dir: str, *, what: str = "snapshots",
+                   hint: str = "lower snapshot.slots or replication.factor, snapshot less "
+                               "state, enlarge the tmpfs (mount -o remount,size=...) or use "
+                               "nodes with more memory") -> None:
+    """Raise ConfigError(snapshot.shm_dir) unless ``shm_dir`` and RAM can hold ``required_bytes``
+    (``what`` names them in the message, ``hint`` is the fix).
 
     Compares with the tmpfs free space (statvfs) and with MemAvailable (tmpfs pages are
-    RAM that cannot be reclaimed). Called by the launcher before a job starts.
+    RAM that cannot be reclaimed). Called by the launcher before a job starts and by a
+    keeper before it creates a rank's slot files.
     """
     if not os.path.isdir(shm_dir):
         raise ConfigError("snapshot.shm_dir", f"{shm_dir} is not a directory",
                           "point snapshot.shm_dir at a tmpfs such as /dev/shm")
     free = _free_bytes(shm_dir)
     available = mem_available()
-    limits = [f"{shm_dir} has {_gib(free)} free"]
+    limits = [f"{shm_dir} has {free} bytes free ({_gib(free)})"]
     short = required_bytes > free
     if available is not None:
-        limits.append(f"MemAvailable is {_gib(available)}")
+        limits.append(f"MemAvailable is {available} bytes ({_gib(available)})")
         short = short or required_bytes > available
     if short:
         raise ConfigError(
             "snapshot.shm_dir",
-            f"snapshots need {_gib(required_bytes)} ({required_bytes} bytes) but "
-            + " and ".join(limits),
-            "lower snapshot.slots or replication.factor, snapshot less state, enlarge the "
-            "tmpfs (mount -o remount,size=...) or use nodes with more memory")
+            f"{what} need {required_bytes} bytes ({_gib(required_bytes)}) but "
+            + " and ".join(limits), hint)
 
 
 def _free_bytes(path: str) -> int:

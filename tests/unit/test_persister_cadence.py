@@ -19,6 +19,7 @@ from runtime.keeper import Keeper, SlotBusy
 from runtime.persister import TierPersister, pick_step
 from runtime.snapshot_format import checksums, make_manifest, plan_layout, write_into
 from runtime.tier_memory import MemoryTier
+from tests.integration.test_persister import Events
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -75,20 +76,6 @@ def _wait(predicate: Callable[[], Any], what: str, timeout_s: float = 20.0) -> N
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.002)
-
-
-class Events:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.items: list[dict[str, Any]] = []
-
-    def __call__(self, event: dict[str, Any]) -> None:
-        with self._lock:
-            self.items.append(event)
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        with self._lock:
-            return [e for e in self.items if e["event"] == kind]
 
 
 class Node:
