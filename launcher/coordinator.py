@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 from configs.errors import PlanInfeasible
 from configs.schema import PhalanxConfig
 from launcher.events import EventLog
-from launcher.keeper_actor import disk_tier_root, node_name
+from launcher.keeper_actor import node_name
 from recovery.base import (Abort, FaultKind, FaultReport, PromoteSpare, RecoveryPlan,
                            ReplicaMap, RestartWorker, RestoreFromKeeper, RestoreFromTier,
                            Rollback, SpareInventory, TierInventory, WaitForCapacity, WorldView)
@@ -25,6 +25,7 @@ from recovery.phases import Phase, PhaseMachine
 from recovery.planner import RecoveryPolicy, plan_recovery
 from runtime.base import MemberRecord, Membership
 from runtime.commit import KeeperReport, committed_step, holders_of
+from runtime.tier_config import disk_tier_root
 from runtime.generation import GENERATION_KEY, GenerationPlan, RankAssignment, plan_key
 from runtime.keeper_reporter import report_from_keeper
 from runtime.placement import Placement, PlacementInput, place_replicas
@@ -274,7 +275,7 @@ class RecoveryCoordinator:
     def _tier_source(self, tier: str) -> dict[str, Any] | None:
         if tier == "disk" and self.cfg.tiers.disk.enabled:
             return {"kind": "tier", "tier": "disk",
-                    "path": disk_tier_root(self.cfg, self.run_dir)}
+                    "path": str(disk_tier_root(self.cfg, self.run_dir))}
         if tier == "s3" and self.cfg.tiers.s3.enabled:
             from dataclasses import asdict
 

@@ -35,6 +35,7 @@ from spares.pool import SparePool
 from recovery.base import FaultReport, WorldView
 from recovery.detection import NodeLost, StallDetector, classify
 from runtime.context import WorkerContext
+from runtime.tier_config import read_job_secret
 from runtime.session import FINISHED_PREFIX
 from runtime.shm import check_capacity, memory_plan
 
@@ -286,16 +287,9 @@ class JobRunner:
 def job_secret(cfg: PhalanxConfig, run: RunDir) -> bytes:
     """The job secret (HMAC of manifests, peer auth): ``security.secret_file``'s bytes, or a
     fresh random one kept in the run directory (mode 0600) for ``phalanx ckpt verify``."""
-    if cfg.security.secret_file:
-        try:
-            secret = Path(cfg.security.secret_file).read_bytes().rstrip(b"\r\n")
-        except OSError as exc:
-            raise ConfigError("security.secret_file", f"cannot be read: {exc}",
-                              "point it at a readable file holding the job secret") from None
-        if len(secret) < 16:
-            raise ConfigError("security.secret_file", f"holds {len(secret)} bytes",
-                              "use at least 16 bytes, e.g. `openssl rand -hex 32 > FILE`")
-        return secret
+    configured = read_job_secret(cfg)
+    if configured is not None:
+        return configured
     secret = secrets.token_hex(32).encode()
     path = run.path / "secret"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -8,7 +8,6 @@ import logging
 import os
 import threading
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -21,7 +20,7 @@ from runtime.keeper_reporter import KeeperReporter, keeper_member, report_from_k
 from runtime.membership_etcd import EtcdMembership, job_prefix
 from runtime.persister import TierPersister
 from runtime.replication import Replicator
-from runtime.tier_disk import DiskTier
+from runtime.tier_config import open_tier
 
 log = logging.getLogger(__name__)
 EVENTS_KEPT = 200
@@ -32,23 +31,11 @@ def node_name(index: int) -> str:
     return f"node{index}"
 
 
-def disk_tier_root(cfg: PhalanxConfig, run_dir: str) -> str:
-    """``tiers.disk.path``, or ``<run dir>/checkpoints`` when it is empty."""
-    return cfg.tiers.disk.path or str(Path(run_dir) / "checkpoints")
-
-
 def tier_specs(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int, float]]:
     """(tier, every_steps, keep, every_s) for each enabled tier: what TierPersister takes."""
-    specs: list[tuple[Tier, int, int, float]] = []
     disk, s3 = cfg.tiers.disk, cfg.tiers.s3
-    if disk.enabled:
-        root = Path(disk_tier_root(cfg, run_dir))
-        specs.append((DiskTier(root, cfg.job.name), disk.every_steps, disk.keep, disk.every_s))
-    if s3.enabled:
-        from runtime.tier_s3 import S3Tier
-
-        specs.append((S3Tier(s3, cfg.job.name), s3.every_steps, s3.keep, s3.every_s))
-    return specs
+    return [(open_tier(cfg, name, run_dir=run_dir), t.every_steps, t.keep, t.every_s)
+            for name, t in (("disk", disk), ("s3", s3)) if t.enabled]
 
 
 def build_tiers(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int]]:

@@ -19,6 +19,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from configs.errors import SnapshotCorrupt, SnapshotNotFound
+from configs.loader import load_config
+from configs.schema import PhalanxConfig
 from runtime.base import Tier
 from runtime.checksum import DEFAULT_ALGO
 from runtime.dcp_metadata import (NON_TENSOR_HINT, TENSOR, VALUE, PayloadRef, encode_value,
@@ -26,6 +28,7 @@ from runtime.dcp_metadata import (NON_TENSOR_HINT, TENSOR, VALUE, PayloadRef, en
 from runtime.snapshot_format import (Manifest, SnapshotLayout, checksums, make_manifest,
                                      plan_layout, read_tensors, write_into)
 from runtime.state_tree import SPEC_VERSION, unflatten_state
+from runtime.tier_config import open_tier, read_job_secret
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +163,19 @@ class TieredStorageWriter(StorageWriter):
         self._is_coordinator = True
         self._pending: _StagedRank | None = None
         self._buffer: bytearray | None = None      # reused by the next save of this instance
+
+    @classmethod
+    def from_config(cls, config: PhalanxConfig | str | os.PathLike, step: int, *,
+                    tier: str = "disk", run_dir: str | os.PathLike | None = None,
+                    generation: int = 0) -> "TieredStorageWriter":
+        """A writer on the tier ``tier`` of a phalanx config (a path or a loaded config):
+        the same root, job name, checksum and secret (``security.secret_file``) as the
+        job's own persisted snapshots, so ``phalanx ckpt ls|verify|export`` sees both."""
+        cfg = _config(config)
+        return cls(open_tier(cfg, tier, run_dir=run_dir), step, secret=read_job_secret(cfg),
+                   job=cfg.job.name, generation=generation,
+                   checksum_algo=cfg.snapshot.checksum,
+                   checksum_workers=max(1, torch.get_num_threads()))
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a new save; a ``checkpoint_id`` (a step number) replaces the step."""
@@ -323,6 +339,15 @@ class TieredStorageReader(StorageReader):
         self._ranks: dict[int, _RankObjects] = {}
         self._storage: dict[MetadataIndex, PayloadRef] = {}
 
+    @classmethod
+    def from_config(cls, config: PhalanxConfig | str | os.PathLike, step: int, *,
+                    tier: str = "disk",
+                    run_dir: str | os.PathLike | None = None) -> "TieredStorageReader":
+        """A reader on the tier ``tier`` of a phalanx config (see the writer's)."""
+        cfg = _config(config)
+        return cls(open_tier(cfg, tier, run_dir=run_dir), step, secret=read_job_secret(cfg),
+                   checksum_workers=max(1, torch.get_num_threads()))
+
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a new load; a ``checkpoint_id`` (a step number) replaces the step."""
         if checkpoint_id is not None:
@@ -408,3 +433,7 @@ class TieredStorageReader(StorageReader):
             del self._ranks[rank]               # free the payload as soon as it is used
         self._ranks.clear()                     # rank 0's, fetched for metadata only
         return _done(None)
+
+
+def _config(config: PhalanxConfig | str | os.PathLike) -> PhalanxConfig:
+    return config if isinstance(config, PhalanxConfig) else load_config(config)
