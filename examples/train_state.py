@@ -16,7 +16,6 @@ step (snapshot included) and the sha256 of the final parameters, and returns the
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import statistics
 import time
@@ -25,11 +24,12 @@ import torch
 from torch import nn
 
 import phalanx
+from train_mlp import batch, parameter_hash  # a script's folder is importable, as with `python`
 
 MiB = 1 << 20
 MAX_WIDTH = 1024       # a 1024 x 1024 float32 layer is 4 MiB
 ACTIVE = 2             # big layers each step runs
-IN_FEATURES = 16
+IN_FEATURES = 16       # what train_mlp.batch draws
 
 
 class StateModel(nn.Module):
@@ -61,20 +61,6 @@ class StateModel(nn.Module):
         for index in self.active(step):
             h = torch.tanh(self.big[index](h))
         return self.out(h)
-
-
-def batch(seed: int, rank: int, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step)
-    x = torch.randn(batch_size, IN_FEATURES, generator=gen)
-    y = torch.sin(x.sum(dim=1, keepdim=True))
-    return x, y
-
-
-def parameter_hash(model: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def main(steps: int = 30, state_mb: float = 64.0, seed: int = 0, sleep_per_step_s: float = 0.0,

@@ -26,7 +26,9 @@ def resolve_path(entrypoint: str, base_dir: Path) -> str:
 
 
 def load_entrypoint(entrypoint: str) -> Callable[..., object]:
-    """Import the entrypoint's module and return its function; raises ``ConfigError``."""
+    """Import the entrypoint's module and return its function; raises ``ConfigError``. A
+    file entrypoint's folder goes on ``sys.path`` first, so the script imports its
+    sibling modules as it would when run with ``python file.py``."""
     target, _, function = entrypoint.rpartition(":")
     if not target or not function:
         raise ConfigError("job.entrypoint", f"{entrypoint!r} is not 'file.py:fn' or 'module:fn'",
@@ -39,6 +41,9 @@ def load_entrypoint(entrypoint: str) -> Callable[..., object]:
             if spec is None or spec.loader is None:
                 raise ConfigError("job.entrypoint", f"cannot load {target!r}", "check the path")
             module = importlib.util.module_from_spec(spec)
+            folder = str(Path(target).resolve().parent)
+            if folder not in sys.path:  # as `python file.py` does: siblings import by name
+                sys.path.insert(0, folder)
             sys.modules[name] = module
             spec.loader.exec_module(module)
     else:
