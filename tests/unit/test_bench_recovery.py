@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.unit.bench_run import positive, run_quick
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,25 +16,10 @@ BENCH = ROOT / "bench" / "recovery.py"
 PHASES = {"notice", "detect", "plan", "fence", "promote", "restore"}
 
 
-def positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value) and value > 0
-
-
 @pytest.mark.timeout(300)
 def test_quick_bench_recovers_a_killed_worker(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(BENCH), "--quick", "--out", str(out)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        stdout, _ = proc.communicate(timeout=280)
-    except subprocess.TimeoutExpired:
-        proc.terminate()            # SIGTERM: the bench stops its launch, which stops Ray
-        stdout, _ = proc.communicate(timeout=90)
-        pytest.fail(f"bench did not finish in 280 s:\n{stdout[-3000:]}")
-    assert proc.returncode == 0, stdout[-3000:]
+    stdout, _ = run_quick(BENCH, out, timeout_s=280, stop_grace_s=90)
 
     report = json.loads((out / "recovery.json").read_text())
     assert report["bench"] == "recovery" and report["quick"] and report["schema_version"] == 1

@@ -2,22 +2,16 @@
 from __future__ import annotations
 
 import json
-import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.unit.bench_run import positive, run_quick
+
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "snapshot.py"
-
-
-def positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value) and value > 0
 
 
 def check_summary(summary: dict, where: str) -> None:
@@ -30,17 +24,7 @@ def check_summary(summary: dict, where: str) -> None:
 @pytest.mark.timeout(120)
 def test_quick_bench_writes_all_four_systems(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(BENCH), "--quick", "--out", str(out)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        stdout, _ = proc.communicate(timeout=110)
-    except subprocess.TimeoutExpired:
-        proc.terminate()            # SIGTERM: the bench unwinds and removes its files
-        stdout, _ = proc.communicate(timeout=10)
-        pytest.fail(f"bench did not finish in 110 s:\n{stdout[-3000:]}")
-    assert proc.returncode == 0, stdout[-3000:]
+    stdout, pid = run_quick(BENCH, out, timeout_s=110, stop_grace_s=10)
 
     report = json.loads((out / "snapshot.json").read_text())
     assert report["bench"] == "snapshot" and report["device"] == "cpu" and report["quick"]
@@ -89,6 +73,6 @@ def test_quick_bench_writes_all_four_systems(tmp_path: Path) -> None:
     # nothing of this run is left in shared memory (keeper slots, torch.save/DCP tmp dir)
     if os.path.isdir("/dev/shm"):
         left = [name for name in os.listdir("/dev/shm")
-                if name.startswith((f"phalanx-bench-{proc.pid}-",
-                                    f"phalanx-bench-snap-{proc.pid}-"))]
+                if name.startswith((f"phalanx-bench-{pid}-",
+                                    f"phalanx-bench-snap-{pid}-"))]
         assert not left, left
