@@ -265,15 +265,21 @@ def test_bad_input_exits_2_naming_the_thing_and_the_fix(disk: DiskTier, tmp_path
     assert code == 2 and "no job folder" in text
 
 
-@pytest.mark.timeout(60)
-def test_s3_ls_and_verify(s3_config: S3TierConfig, tmp_path: Path, secret_file: Path) -> None:
-    _fill(S3Tier(s3_config, JOB, part_size=MIN_PART_SIZE, deadline_s=20.0))
-    config = tmp_path / "job.yaml"
+def _s3_config_file(s3_config: S3TierConfig, tmp_path: Path) -> Path:
+    """A job config whose only tier is the test's S3 bucket."""
+    config = tmp_path / "s3-job.yaml"
     config.write_text(yaml.safe_dump({
         "job": {"name": JOB, "entrypoint": "train.py:main"},
         "tiers": {"disk": {"enabled": False},
                   "s3": {"enabled": True, "bucket": s3_config.bucket,
                          "endpoint_url": s3_config.endpoint_url, "region": s3_config.region}}}))
+    return config
+
+
+@pytest.mark.timeout(60)
+def test_s3_ls_and_verify(s3_config: S3TierConfig, tmp_path: Path, secret_file: Path) -> None:
+    _fill(S3Tier(s3_config, JOB, part_size=MIN_PART_SIZE, deadline_s=20.0))
+    config = _s3_config_file(s3_config, tmp_path)
 
     code, _, out = _run("ls", "--config", str(config), "--json")
     assert code == 0
@@ -289,17 +295,6 @@ def test_s3_ls_and_verify(s3_config: S3TierConfig, tmp_path: Path, secret_file: 
 
     code, text, _ = _run("verify", "--config", str(config), "--step", "3")
     assert code == 2 and "step 3 does not exist in tier s3" in text
-
-
-def _s3_config_file(s3_config: S3TierConfig, tmp_path: Path) -> Path:
-    """A job config whose only tier is the test's S3 bucket."""
-    config = tmp_path / "s3-job.yaml"
-    config.write_text(yaml.safe_dump({
-        "job": {"name": JOB, "entrypoint": "train.py:main"},
-        "tiers": {"disk": {"enabled": False},
-                  "s3": {"enabled": True, "bucket": s3_config.bucket,
-                         "endpoint_url": s3_config.endpoint_url, "region": s3_config.region}}}))
-    return config
 
 
 def _s3_key(tier: S3Tier, bucket: str, step: int, name: str) -> str:
