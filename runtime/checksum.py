@@ -34,7 +34,6 @@ ALGOS = ("xxh3", "blake3", "sha256")
 DEFAULT_ALGO = "xxh3"
 LEAF_BYTES = 1 << 20
 HEX_LEN = {"xxh3": 32, "blake3": 64, "sha256": 64}
-CRYPTOGRAPHIC = frozenset({"blake3", "sha256"})
 
 
 class Span(NamedTuple):

@@ -12,7 +12,6 @@ from typing import Any, Callable, Protocol
 from configs.errors import FatalError, TransientError
 from runtime.frames import FrameInvalid, register_remote_error
 from runtime.replica_receiver import TensorIndex, answer_offer, receive_push
-from runtime.snapshot_format import verify_snapshot
 from runtime.transport import DEFAULT_TIMEOUT_S, FrameClient, Reply, Request
 
 MAX_MANIFEST_BYTES = 64 << 20
@@ -69,7 +68,7 @@ def handle(keeper: _Served, request: Request) -> Reply:
                            _int(h, "size"))
             return Reply({})
         case "get":
-            return _get(keeper, _int(h, "rank"), _int(h, "step", None), h.get("verify") is True)
+            return _get(keeper, _int(h, "rank"), _int(h, "step", None))
         case "put_replica":
             rank, step = _int(h, "rank"), _int(h, "step")
             manifest = _manifest(request, _int(h, "manifest_nbytes"))
@@ -94,17 +93,12 @@ def handle(keeper: _Served, request: Request) -> Reply:
             raise KeeperRequestInvalid(f"keeper {keeper.node}: unknown op {op!r}")
 
 
-def _get(keeper: _Served, rank: int, step: int | None, verify: bool) -> Reply:
-    """Stream manifest + payload straight from the pinned mmap; unpinned once sent. With
-    ``verify`` the keeper first recomputes every tensor checksum against the manifest and
-    answers SnapshotCorrupt naming the tensor instead of shipping damaged bytes (the
-    reader still verifies what arrives, and checks the HMAC)."""
+def _get(keeper: _Served, rank: int, step: int | None) -> Reply:
+    """Stream manifest + payload straight from the pinned mmap; unpinned once sent (the
+    reader verifies every checksum and the HMAC of what arrives)."""
     source, held = keeper.pin(rank, step)
     try:
         view = held.buf.view(held.used)
-        if verify:
-            verify_snapshot(view, held.manifest, secret=None,
-                            source=f"keeper {keeper.node} {source} rank {rank} step {held.step}")
     except BaseException:
         keeper.unpin(held)
         raise
@@ -182,29 +176,21 @@ class KeeperClient:
         self._call({"op": "publish", "rank": rank, "step": step, "slot": slot, "size": nbytes},
                    manifest)
 
-    def get(self, rank: int, step: int | None = None, *,
-            verify: bool = False) -> tuple[int, bytes, bytearray]:
-        """(step, manifest, payload) of ``rank`` at ``step`` or the newest held; with
-        ``verify`` the keeper checks the checksums before sending (SnapshotCorrupt)."""
+    def get(self, rank: int, step: int | None = None) -> tuple[int, bytes, bytearray]:
+        """(step, manifest, payload) of ``rank`` at ``step`` or the newest held."""
         holder: dict[str, Any] = {}
-        reply = self._frames.request_into(self._get_header(rank, step, verify),
+        reply = self._frames.request_into(self._stamp({"op": "get", "rank": rank, "step": step}),
                                           self._sink(holder, None))
         return reply["step"], bytes(holder["manifest"]), holder["payload"]
 
-    def get_into(self, rank: int, dest: memoryview, step: int | None = None, *,
-                 verify: bool = False) -> tuple[int, bytes, int]:
+    def get_into(self, rank: int, dest: memoryview,
+                 step: int | None = None) -> tuple[int, bytes, int]:
         """Like ``get`` but the payload lands at the start of ``dest`` (e.g. an mmap);
         returns (step, manifest, payload size). FrameInvalid if it does not fit."""
         holder: dict[str, Any] = {}
-        reply = self._frames.request_into(self._get_header(rank, step, verify),
+        reply = self._frames.request_into(self._stamp({"op": "get", "rank": rank, "step": step}),
                                           self._sink(holder, dest))
         return reply["step"], bytes(holder["manifest"]), reply["size"]
-
-    def _get_header(self, rank: int, step: int | None, verify: bool) -> dict[str, Any]:
-        header: dict[str, Any] = {"op": "get", "rank": rank, "step": step}
-        if verify:
-            header["verify"] = True
-        return self._stamp(header)
 
     def put_replica(self, rank: int, step: int, manifest: bytes,
                     payload: bytes | bytearray | memoryview) -> list[int]:

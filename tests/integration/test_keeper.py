@@ -287,31 +287,3 @@ def test_memory_plan_and_capacity_check(tmp_path):
         with pytest.raises(ConfigError):
             Keeper(bad, "job", SECRET)
 
-
-@pytest.mark.integration
-@pytest.mark.timeout(30)
-def test_get_with_verify_refuses_a_slot_damaged_after_publish(keeper, client):
-    import torch
-
-    from configs.errors import SnapshotCorrupt
-    from runtime.snapshot_format import checksums, make_manifest, plan_layout, write_into
-
-    tensors = {"weight": torch.arange(4096, dtype=torch.float32), "bias": torch.ones(16)}
-    layout = plan_layout(tensors)
-    payload = bytearray(layout.total_bytes)
-    write_into(payload, layout, tensors)
-    manifest = make_manifest(layout, checksums(payload, layout), job=keeper.job, rank=0,
-                             step=3, generation=1, tree_spec={}, created_at=0.0).to_json()
-    client.alloc(0, layout.total_bytes)
-    slot, path = client.claim(0)
-    _write(path, bytes(payload))
-    client.publish(0, 3, slot, manifest, layout.total_bytes)
-    assert client.get(0, verify=True)[2] == payload            # sound bytes pass the check
-
-    damaged = bytearray(payload)
-    damaged[layout.data_start + layout.entries["weight"].begin + 100] ^= 0x01
-    _write(path, bytes(damaged))                                # a stray write into the slot
-    with pytest.raises(SnapshotCorrupt, match=r"rank 0 step 3.*tensor 'weight' checksum"):
-        client.get(0, verify=True)
-    assert client.get(0)[2] == damaged        # without verify the bytes go out as they are
-    assert client.get(0, 3)[0] == 3           # and the slot is unpinned after the refusal
