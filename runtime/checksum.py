@@ -6,23 +6,25 @@ Algorithms (a checksum is ``"<algo>:<hex>"``):
 
 * ``xxh3`` — XXH3-128 tree: the tensor's n bytes are cut into max(1, ceil(n / 1 MiB))
   leaves, each leaf hashed with XXH3-128, and the 16-byte leaf digests concatenated and
-  hashed again with XXH3-128. Leaves are independent, so any number of threads share one tensor. Detects bit
-  rot, torn writes and truncation; it is not a cryptographic hash, so the manifest HMAC
+  hashed again with XXH3-128. Leaves are independent, so any number of threads share one
+  tensor. Detects bit rot, torn writes and truncation; it is not a cryptographic hash, so the manifest HMAC
   then authenticates the manifest but not the tensor bytes against a deliberate forger.
 * ``blake3`` — BLAKE3-256 of the tensor bytes: cryptographic, so with a job secret the
   manifest HMAC authenticates every tensor byte; one tensor per thread.
 * ``sha256`` — SHA-256 of the tensor bytes (format version 1 snapshots); one tensor per
   thread.
 
-Measured on the 2-core CI machine (256 MiB, one thread, quiet machine): memcpy 11.3 GB/s,
-XXH3-128 15.8 GB/s, BLAKE3 5.8 GB/s, SHA-256 1.1 GB/s; fused copy+hash on 2 threads:
-xxh3 8.2-8.4 GB/s (72-74% of memcpy), blake3 5.7-5.8 GB/s (51%).
+Measured on the 2-core CI machine (one core: XXH3-128 21-25 GB/s from memory, 73 GB/s on a
+1 MiB leaf in cache; BLAKE3 7 GB/s; SHA-256 2 GB/s). One thread copies 1 MiB chunks at
+6.7 GB/s and copies + hashes them at 5.1 GB/s; on 2 threads the fused loop reaches 76-80% of
+the 2-thread memcpy limit at 256 MiB-1 GiB (``bench/snapshot.py``: 72-77% end to end).
 """
 from __future__ import annotations
 
 import hashlib
-import heapq
-from concurrent.futures import Executor
+import itertools
+import threading
+from concurrent.futures import Executor, Future
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import blake3
@@ -64,6 +66,8 @@ _Copy = Callable[[int, int], None]     # copies payload bytes [begin, end) into 
 
 
 def _units(spans: Sequence[Span], algos: Mapping[str, str]) -> list[_Unit]:
+    """The work, in the order threads take it: largest first (whole-tensor units of
+    blake3/sha256 balance that way), payload order among equals (xxh3's full leaves)."""
     out: list[_Unit] = []
     for span in spans:
         if algos[span.name] == "xxh3" and span.end - span.begin > LEAF_BYTES:
@@ -71,18 +75,7 @@ def _units(spans: Sequence[Span], algos: Mapping[str, str]) -> list[_Unit]:
                 out.append(_Unit(span.name, i, begin, min(span.end, begin + LEAF_BYTES)))
         else:
             out.append(_Unit(span.name, 0, span.begin, span.end))
-    return out
-
-
-def _share(units: list[_Unit], workers: int) -> list[list[_Unit]]:
-    """Largest-first onto the least-loaded thread; each thread keeps payload order."""
-    loads = [(0, k) for k in range(workers)]
-    shares: list[list[_Unit]] = [[] for _ in range(workers)]
-    for unit in sorted(units, key=lambda u: u.begin - u.end):
-        load, k = heapq.heappop(loads)
-        shares[k].append(unit)
-        heapq.heappush(loads, (load + unit.end - unit.begin, k))
-    return [sorted(share, key=lambda u: u.begin) for share in shares if share]
+    return sorted(out, key=lambda u: (u.begin - u.end, u.begin))
 
 
 def _hash_unit(dst: memoryview, unit: _Unit, algo: str, copy: _Copy | None) -> bytes:
@@ -100,62 +93,110 @@ def _hash_unit(dst: memoryview, unit: _Unit, algo: str, copy: _Copy | None) -> b
     return h.digest()
 
 
-def _combine(spans: Sequence[Span], algos: Mapping[str, str],
-             digests: Mapping[tuple[str, int], bytes]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for span in spans:
-        algo = algos[span.name]
-        if algo == "xxh3":
-            leaves = max(1, -(-(span.end - span.begin) // LEAF_BYTES))
-            root = xxhash.xxh3_128_digest(b"".join(digests[span.name, i] for i in range(leaves)))
-        else:
-            root = digests[span.name, 0]
-        out[span.name] = f"{algo}:{root.hex()}"
-    return out
+class DigestJob:
+    """The checksums of one payload, optionally fused with the copy that fills it.
+
+    Any number of threads call ``work``; each takes the next unit (a tensor, or an xxh3
+    leaf) until none is left, so a thread that wakes late simply does less. Threads may
+    be started before the destination is known: ``work`` waits for ``start`` (or returns
+    at once after ``cancel``). With ``ready``, units go in payload order and each waits
+    for ``ready(tensor name)`` (bytes still landing, e.g. device-to-host copies). Call
+    ``result`` once every ``work`` call has returned.
+    """
+
+    def __init__(self, spans: Sequence[Span], algos: Mapping[str, str],
+                 tensors: Mapping[str, torch.Tensor] | None = None,
+                 ready: Callable[[str], None] | None = None) -> None:
+        for algo in set(algos.values()):
+            check_algo(algo)
+        self._spans, self._algos, self._tensors = list(spans), dict(algos), tensors
+        self._ready = ready
+        self._units: list[_Unit] = []      # planned by ``start``, off the caller's thread
+        self._next = itertools.count()
+        self._gate = threading.Event()
+        self._dst: memoryview | None = None
+        self._copies: dict[str, _Copy] = {}
+        self._digests: dict[tuple[str, int], bytes] = {}
+
+    def start(self, buf: Any) -> None:
+        """Hash ``buf`` (after copying the tensors into it, if the job has tensors)."""
+        dst = byte_view(buf)
+        self._units = _units(self._spans, self._algos)
+        if self._ready is not None:     # follow the bytes as they land
+            self._units.sort(key=lambda u: u.begin)
+        if self._tensors is not None:
+            if dst.readonly:
+                raise ValueError("snapshot buffer is read-only")
+            dst_np = np.frombuffer(dst, dtype=np.uint8)
+            self._copies = {span.name: _copier(dst_np, span, self._tensors[span.name])
+                            for span in self._spans}
+        self._dst = dst
+        self._gate.set()
+
+    def cancel(self) -> None:
+        """Release threads waiting in ``work`` without doing anything."""
+        self._gate.set()
+
+    def work(self) -> None:
+        self._gate.wait()
+        dst, units = self._dst, self._units
+        if dst is None:
+            return
+        done = {}
+        while (i := next(self._next)) < len(units):
+            u = units[i]
+            if self._ready is not None:
+                self._ready(u.name)
+            done[u.name, u.leaf] = _hash_unit(dst, u, self._algos[u.name],
+                                              self._copies.get(u.name))
+        self._digests.update(done)
+
+    def result(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for span in self._spans:
+            algo = self._algos[span.name]
+            if algo == "xxh3":
+                leaves = max(1, -(-(span.end - span.begin) // LEAF_BYTES))
+                root = xxhash.xxh3_128_digest(b"".join(self._digests[span.name, i]
+                                                       for i in range(leaves)))
+            else:
+                root = self._digests[span.name, 0]
+            out[span.name] = f"{algo}:{root.hex()}"
+        return out
 
 
-def _run(spans: Sequence[Span], algos: Mapping[str, str], dst: memoryview,
-         copies: Mapping[str, _Copy], pool: Executor | None, workers: int) -> dict[str, str]:
-    units = _units(spans, algos)
+def helpers(job: DigestJob, pool: Executor | None, workers: int) -> list[Future]:
+    """``workers - 1`` threads of ``pool`` working on ``job`` (the caller is the last)."""
+    if pool is None:
+        return []
+    return [pool.submit(job.work) for _ in range(max(0, workers - 1))]
 
-    def work(share: list[_Unit]) -> list[tuple[tuple[str, int], bytes]]:
-        return [((u.name, u.leaf), _hash_unit(dst, u, algos[u.name], copies.get(u.name)))
-                for u in share]
 
-    shares = _share(units, max(1, workers if pool is not None else 1))
-    futures = [pool.submit(work, share) for share in shares[1:]] if pool is not None else []
-    digests = dict(work(shares[0])) if shares else {}
-    for future in futures:
-        digests.update(future.result())
-    return _combine(spans, algos, digests)
+def finish(job: DigestJob, futures: Sequence[Future]) -> dict[str, str]:
+    """Work on ``job`` on the calling thread, wait for the helpers, return the checksums."""
+    try:
+        job.work()
+    finally:
+        for future in futures:
+            future.result()
+    return job.result()
 
 
 def digest_spans(buf: Any, spans: Sequence[Span], algos: Mapping[str, str], *,
                  pool: Executor | None = None, workers: int = 1) -> dict[str, str]:
     """``"<algo>:<hex>"`` of each span of ``buf`` (``algos`` maps span name to algorithm);
     with a ``pool``, ``workers`` threads (the caller's among them) hash in parallel."""
-    for algo in set(algos.values()):
-        check_algo(algo)
-    return _run(spans, algos, byte_view(buf), {}, pool, workers)
+    job = DigestJob(spans, algos)
+    job.start(buf)
+    return finish(job, helpers(job, pool, workers))
 
 
-def copy_and_digest(buf: Any, spans: Sequence[Span], tensors: Mapping[str, torch.Tensor],
-                    algo: str, *, pool: Executor | None = None,
-                    workers: int = 1) -> dict[str, str]:
-    """Copy each CPU tensor into its span of the writable ``buf`` and return its checksum,
-    chunk by chunk on ``workers`` threads (the caller's among them). The tensors must not
-    change until this returns."""
-    check_algo(algo)
-    dst = byte_view(buf)
-    dst_np = np.frombuffer(dst, dtype=np.uint8)
-    def copier(span: Span) -> _Copy:
-        src, base = _as_bytes(tensors[span.name]), span.begin
+def _copier(dst_np: np.ndarray, span: Span, tensor: torch.Tensor) -> _Copy:
+    src, base = _as_bytes(tensor), span.begin
 
-        def copy(begin: int, end: int) -> None:
-            np.copyto(dst_np[begin:end], src[begin - base:end - base])
-        return copy
-    copies = {span.name: copier(span) for span in spans}
-    return _run(spans, dict.fromkeys(copies, algo), dst, copies, pool, workers)
+    def copy(begin: int, end: int) -> None:
+        np.copyto(dst_np[begin:end], src[begin - base:end - base])
+    return copy
 
 
 def byte_view(buf: Any) -> memoryview:

@@ -17,13 +17,13 @@ import math
 import warnings
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
 from configs.errors import SnapshotCorrupt, SnapshotUnauthenticated
-from runtime.checksum import (ALGOS, DEFAULT_ALGO, HEX_LEN, Span, byte_view, check_algo,
-                              copy_and_digest, digest_spans)
+from runtime.checksum import (ALGOS, DEFAULT_ALGO, HEX_LEN, DigestJob, Span, byte_view,
+                              check_algo, digest_spans, finish, helpers)
 
 FORMAT_VERSION = 1
 MAX_HEADER_BYTES = 100_000_000          # safetensors' own cap
@@ -130,12 +130,14 @@ def _writable(buf: Any, layout: SnapshotLayout,
 
 
 def write_into(buf: Any, layout: SnapshotLayout, tensors: Mapping[str, torch.Tensor], *,
-               non_blocking: bool = False, stream: Any = None) -> None:
+               non_blocking: bool = False, stream: Any = None,
+               after: Callable[[str, int], None] | None = None) -> None:
     """Write header and tensor bytes into a preallocated writable buffer, one copy per
     tensor. CUDA tensors are copied on ``stream`` (after it waits for the current stream);
     with ``non_blocking=True`` (``buf`` pinned or cudaHostRegister-ed) the caller must
     synchronize ``stream`` (the current stream when None) before reading ``buf``,
-    computing ``checksums`` or changing the tensors. Called on the training thread. Raises
+    computing ``checksums`` or changing the tensors; ``after(name, nbytes)`` runs once each
+    tensor's copy is issued (to record CUDA events). Called on the training thread. Raises
     ValueError when the buffer is read-only or too small, or the tensors do not match."""
     view = _writable(buf, layout, tensors)
     view[:layout.data_start] = layout.header
@@ -154,6 +156,8 @@ def write_into(buf: Any, layout: SnapshotLayout, tensors: Mapping[str, torch.Ten
                 out.copy_(src.contiguous().view(-1).view(torch.uint8), non_blocking=non_blocking)
         else:
             out.copy_(src.contiguous().view(-1).view(torch.uint8), non_blocking=non_blocking)
+        if after is not None:
+            after(name, entry.end - entry.begin)
 
 
 def _spans(layout: SnapshotLayout) -> list[Span]:
@@ -178,16 +182,41 @@ def checksums(buf: Any, layout: SnapshotLayout, *, algo: str = DEFAULT_ALGO,
                             workers, pool)
 
 
+def write_job(layout: SnapshotLayout, tensors: Mapping[str, torch.Tensor], *,
+              algo: str = DEFAULT_ALGO) -> DigestJob:
+    """The fused copy + checksums of CPU ``tensors`` into a slot of ``layout``, to be
+    ``start_write``-ed once the slot is known (threads may already wait in ``work``)."""
+    if any(t.is_cuda for t in tensors.values()):
+        raise ValueError("write_checksummed copies CPU tensors; use write_into for CUDA")
+    algos = dict.fromkeys(layout.entries, check_algo(algo))
+    return DigestJob(_spans(layout), algos, tensors)
+
+
+def landing_job(layout: SnapshotLayout, *, algo: str = DEFAULT_ALGO,
+                ready: Callable[[str], None]) -> DigestJob:
+    """Checksums of a slot whose tensors are still landing (CUDA device-to-host copies):
+    each tensor is hashed, in payload order, once ``ready(name)`` returns, so hashing
+    follows the copies instead of waiting for the last one."""
+    return DigestJob(_spans(layout), dict.fromkeys(layout.entries, check_algo(algo)),
+                     ready=ready)
+
+
+def start_write(job: DigestJob, buf: Any, layout: SnapshotLayout,
+                tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write ``layout``'s header into ``buf`` and let ``job``'s threads copy and hash."""
+    view = _writable(buf, layout, tensors)
+    view[:layout.data_start] = layout.header
+    job.start(view)
+
+
 def write_checksummed(buf: Any, layout: SnapshotLayout, tensors: Mapping[str, torch.Tensor],
                       *, algo: str = DEFAULT_ALGO, workers: int = 1,
                       pool: Executor | None = None) -> dict[str, str]:
     """``write_into`` and ``checksums`` fused for CPU tensors: each chunk is hashed right
     after it is copied, on ``workers`` threads. Returns the per-tensor checksums."""
-    view = _writable(buf, layout, tensors)
-    if any(t.is_cuda for t in tensors.values()):
-        raise ValueError("write_checksummed copies CPU tensors; use write_into for CUDA")
-    view[:layout.data_start] = layout.header
-    return copy_and_digest(view, _spans(layout), tensors, algo, pool=pool, workers=workers)
+    job = write_job(layout, tensors, algo=algo)
+    start_write(job, buf, layout, tensors)
+    return finish(job, helpers(job, pool, workers))
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -18,25 +18,78 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
 from runtime.keeper_wire import KeeperClient
 from runtime.checksum import DEFAULT_ALGO, check_algo
-from runtime.snapshot_format import (SnapshotLayout, checksums, make_manifest, plan_layout,
-                                     write_checksummed, write_into)
+from runtime.checksum import DigestJob, finish, helpers
+from runtime.snapshot_format import (SnapshotLayout, landing_job, make_manifest, plan_layout,
+                                     start_write, write_into, write_job)
 from runtime.state_tree import flatten_state
 
 log = logging.getLogger(__name__)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 AUTO_MAX_INTERVAL = 1000
+MARK_BYTES = 64 << 20            # CUDA copies between two checksum-ready events
 
 
 @dataclass(frozen=True)
 class SnapshotPolicy:
     every_steps: int | str = 1          # an interval, or "auto"
     overhead_budget: float = 0.03
+
+
+class _CopyMarks:
+    """CUDA events along one capture's device-to-host copies: one after every
+    ``MARK_BYTES`` of copies and one at the end (an event per tensor would cost the training
+    thread a record call per tensor), so checksums start on the first tensors while later
+    ones are still in flight."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self._events: dict[str, Any] = {}
+        self._open: list[str] = []
+        self._bytes = 0
+        self._last: Any = None
+
+    def add(self, name: str, nbytes: int) -> None:
+        self._open.append(name)
+        self._bytes += nbytes
+        if self._bytes >= MARK_BYTES:
+            self._record()
+
+    def close(self) -> Any:
+        """Record the final event (after every copy) and return it."""
+        return self._record()
+
+    def wait(self, name: str) -> None:
+        event = self._events.get(name)
+        if event is not None:
+            event.synchronize()
+
+    def wait_all(self) -> None:
+        if self._last is not None:
+            self._last.synchronize()
+
+    def _record(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        for name in self._open:
+            self._events[name] = event
+        self._open, self._bytes, self._last = [], 0, event
+        return event
+
+
+class _Work(NamedTuple):
+    """What one capture hands its publishing thread."""
+
+    job: DigestJob
+    helpers: list[Future]
+    tensors: Mapping[str, torch.Tensor]
+    claimed: tuple[int, memoryview] | None     # CUDA: claimed on the training thread
+    marks: _CopyMarks | None
 
 
 @dataclass
@@ -162,20 +215,27 @@ class Snapshotter:
         tensors, spec = flatten_state(objects)
         fresh = self._layout is None or not self._layout.matches(tensors)
         layout = self._layout_for(tensors)
-        event, target = None, None
         if any(t.is_cuda for t in tensors.values()):
-            # device-to-host copies enqueued on a side stream into a claimed slot; an event
-            # marks their end
-            target = self._claim(layout)
-            write_into(target[1], layout, tensors, non_blocking=True, stream=self._stream())
-            event = self._record_event()
-        else:  # claim, copy and checksums run on the background thread; see wait_for_copy
+            # device-to-host copies enqueued on a side stream into a claimed slot, with
+            # events along them so that checksums can follow the bytes as they land
+            slot, buf = self._claim(layout)
+            marks = _CopyMarks(self._stream())
+            write_into(buf, layout, tensors, non_blocking=True, stream=marks.stream,
+                       after=marks.add)
+            self._cuda_event = marks.close()
+            job = landing_job(layout, algo=self._algo, ready=marks.wait)
+            work = _Work(job, [], tensors, (slot, buf), marks)
+        else:  # claim, copy and checksums run on background threads; see wait_for_copy
             self._copied.clear()
+            job = write_job(layout, tensors, algo=self._algo)
+            work = _Work(job, [], tensors, None, None)
+        # the helper threads wake while the publishing thread claims the slot (CPU)
+        work.helpers.extend(helpers(job, self._helpers, self._workers))
         stall = time.perf_counter() - started
         # a capture that allocated the slots (page faults, file creation) says nothing about
         # the steady cost the auto interval is for
-        self._pending = self._pool.submit(self._publish, step, target, layout, spec, event,
-                                          None if fresh else stall, None if event else tensors)
+        self._pending = self._pool.submit(self._publish, step, layout, spec, work,
+                                          None if fresh else stall)
         self._last_capture_step = step
         self.stats.last_stall_s = stall
         return stall
@@ -229,23 +289,25 @@ class Snapshotter:
         slot, path = self._client.claim(self._rank)
         return slot, memoryview(self._maps[path])[:layout.total_bytes]
 
-    def _publish(self, step: int, target: tuple[int, memoryview] | None, layout: SnapshotLayout,
-                 spec: dict, event: Any, stall: float | None,
-                 cpu_tensors: Mapping[str, torch.Tensor] | None) -> None:
+    def _publish(self, step: int, layout: SnapshotLayout, spec: dict, work: _Work,
+                 stall: float | None) -> None:
         started = time.perf_counter()
-        if cpu_tensors is not None:     # each chunk hashed right after it is copied
+        if work.claimed is None:     # CPU: each chunk hashed right after it is copied
             try:
-                slot, buf = self._claim(layout)
-                sums = write_checksummed(buf, layout, cpu_tensors, algo=self._algo,
-                                         workers=self._workers, pool=self._helpers)
+                try:
+                    slot, buf = self._claim(layout)
+                    start_write(work.job, buf, layout, work.tensors)
+                finally:
+                    work.job.cancel()      # no-op once started; else frees the helpers
+                sums = finish(work.job, work.helpers)
             finally:
                 self._copied.set()
-        else:
-            assert target is not None and event is not None
-            slot, buf = target
-            event.synchronize()
-            sums = checksums(buf, layout, algo=self._algo, workers=self._workers,
-                             pool=self._helpers)
+        else:                        # CUDA: each tensor hashed once its bytes landed
+            slot, buf = work.claimed
+            work.job.start(buf)
+            sums = finish(work.job, work.helpers)
+            assert work.marks is not None
+            work.marks.wait_all()
         manifest = make_manifest(layout, sums, job=self._job, rank=self._rank, step=step,
                                  generation=self._generation, tree_spec=spec,
                                  created_at=time.time())
@@ -266,12 +328,6 @@ class Snapshotter:
         if self._cuda_stream is None:
             self._cuda_stream = torch.cuda.Stream()
         return self._cuda_stream
-
-    def _record_event(self) -> Any:
-        event = torch.cuda.Event()
-        event.record(self._cuda_stream)
-        self._cuda_event = event
-        return event
 
 
 def _map(path: str, size: int) -> mmap.mmap:

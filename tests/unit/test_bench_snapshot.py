@@ -58,7 +58,9 @@ def test_quick_bench_writes_all_four_systems(tmp_path: Path) -> None:
             assert positive(ph[key]), (algo, key)
         for key in ("throughput_vs_limit", "copy_vs_limit", "stall_dcp_over_phalanx"):
             assert positive(result["ratios"][algo][key]), (algo, key)
-        assert set(result["verdicts"][algo].values()) <= {"PASS", "MISS"}
+        verdicts = result["verdicts"][algo]
+        assert {verdicts["stall"], verdicts["throughput"]} <= {"PASS", "MISS"}
+        assert verdicts["default_checksum"] == (algo == "xxh3")
     check_summary(result["torch_save"]["seconds"], "torch_save")
     assert positive(result["torch_save"]["throughput_gbps"])
     check_summary(result["dcp_async"]["stall_s"], "dcp stall")

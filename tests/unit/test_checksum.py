@@ -3,6 +3,7 @@ copy-and-checksum against a plain copy followed by hashing."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import blake3
@@ -11,8 +12,10 @@ import torch
 import xxhash
 from hypothesis import given, settings, strategies as st
 
-from runtime.checksum import LEAF_BYTES, Span, _share, _units, check_algo, copy_and_digest, digest_spans
-from runtime.snapshot_format import checksums, plan_layout, write_checksummed, write_into
+from runtime.checksum import (LEAF_BYTES, DigestJob, Span, _units, check_algo, digest_spans, finish,
+                             helpers)
+from runtime.snapshot_format import (checksums, landing_job, plan_layout, start_write,
+                                     write_checksummed, write_into, write_job)
 
 
 def reference(data: bytes, algo: str) -> str:
@@ -77,26 +80,76 @@ def test_fused_copy_refuses_cuda_and_unknown_algorithms() -> None:
     with pytest.raises(ValueError, match="use one of"):
         check_algo("crc32")
     with pytest.raises(ValueError, match="read-only"):
-        copy_and_digest(bytes(16), [Span("a", 0, 16)], tensors, "xxh3")
+        DigestJob([Span("a", 0, 16)], {"a": "xxh3"}, tensors).start(bytes(16))
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(0, 5 * LEAF_BYTES), max_size=12), workers=st.integers(1, 6),
+@given(sizes=st.lists(st.integers(0, 5 * LEAF_BYTES), max_size=12),
        algo=st.sampled_from(["xxh3", "blake3", "sha256"]))
-def test_every_unit_goes_to_exactly_one_thread_in_payload_order(sizes: list[int], workers: int,
-                                                               algo: str) -> None:
+def test_units_cover_the_payload_once_largest_first(sizes: list[int], algo: str) -> None:
     spans, at = [], 0
     for i, n in enumerate(sizes):
         spans.append(Span(f"t{i}", at, at + n))
         at += n
     units = _units(spans, dict.fromkeys((s.name for s in spans), algo))
-    shares = _share(list(units), workers)
-    assert sorted(u for share in shares for u in share) == sorted(units)
-    assert len(shares) <= workers
-    assert all(share == sorted(share, key=lambda u: u.begin) for share in shares)
-    covered = sum(u.end - u.begin for u in units)
-    assert covered == at
+    assert sum(u.end - u.begin for u in units) == at
+    assert len({(u.name, u.leaf) for u in units}) == len(units)
+    lengths = [u.end - u.begin for u in units]
+    assert lengths == sorted(lengths, reverse=True)
     if algo == "xxh3":
         assert all(u.end - u.begin <= LEAF_BYTES for u in units)
-        loads = [sum(u.end - u.begin for u in share) for share in shares]
-        assert not loads or max(loads) - min(loads) <= LEAF_BYTES or len(shares) < workers
+
+
+def test_threads_that_wait_for_the_slot_share_the_work_whenever_they_wake() -> None:
+    """Helpers start before the destination exists (the slot claim runs meanwhile); one of
+    them wakes only after the caller has done every unit, and the result is unchanged."""
+    tensors = state()
+    layout = plan_layout(tensors)
+    plain = bytearray(layout.total_bytes)
+    write_into(plain, layout, tensors)
+    expected = checksums(plain, layout, algo="xxh3")
+    late = threading.Event()
+
+    def sleepy(job: DigestJob) -> None:
+        late.wait(5)
+        job.work()
+
+    fused = bytearray(layout.total_bytes)
+    with ThreadPoolExecutor(3) as pool:
+        job = write_job(layout, tensors, algo="xxh3")
+        futures = helpers(job, pool, 2) + [pool.submit(sleepy, job)]
+        start_write(job, fused, layout, tensors)
+        job.work()
+        late.set()
+        assert finish(job, futures) == expected
+    assert fused == plain
+
+
+def test_a_cancelled_job_releases_its_waiting_threads() -> None:
+    tensors = {"a": torch.ones(4)}
+    layout = plan_layout(tensors)
+    job = write_job(layout, tensors, algo="xxh3")
+    with ThreadPoolExecutor(2) as pool:
+        futures = helpers(job, pool, 3)
+        job.cancel()
+        assert [future.result(timeout=5) for future in futures] == [None, None]
+
+
+def test_a_landing_job_hashes_each_tensor_only_once_its_bytes_landed() -> None:
+    """As with CUDA device-to-host copies: the slot fills tensor by tensor while the threads
+    already run; hashing a tensor before it landed would hash zeros."""
+    tensors = state()
+    layout = plan_layout(tensors)
+    full = bytearray(layout.total_bytes)
+    write_into(full, layout, tensors)
+    landed = {name: threading.Event() for name in layout.entries}
+    slot = bytearray(layout.total_bytes)
+    job = landing_job(layout, algo="xxh3", ready=lambda name: landed[name].wait(5))
+    with ThreadPoolExecutor(2) as pool:
+        futures = helpers(job, pool, 3)
+        job.start(slot)
+        for name, entry in sorted(layout.entries.items(), key=lambda kv: kv[1].begin):
+            begin, end = layout.data_start + entry.begin, layout.data_start + entry.end
+            slot[begin:end] = full[begin:end]
+            landed[name].set()
+        assert finish(job, futures) == checksums(full, layout, algo="xxh3")
