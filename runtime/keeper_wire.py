@@ -6,14 +6,18 @@ payload (``manifest_nbytes``), never inside the JSON header.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import mmap
 import os
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
-from configs.errors import FatalError, TransientError
+from configs.errors import FatalError, PeerUnreachable, TransientError
 from runtime.frames import FrameInvalid, register_remote_error
 from runtime.replica_receiver import TensorIndex, answer_offer, receive_push
 from runtime.transport import DEFAULT_TIMEOUT_S, FrameClient, Reply, Request
 
+log = logging.getLogger(__name__)
 MAX_MANIFEST_BYTES = 64 << 20
 # A keeper allocates (fallocate) a slot file at >= ~0.2 GB/s on a loaded 2-core machine.
 _ALLOC_BYTES_PER_S = 100e6
@@ -69,6 +73,15 @@ def handle(keeper: _Served, request: Request) -> Reply:
             return Reply({})
         case "get":
             return _get(keeper, _int(h, "rank"), _int(h, "step", None))
+        case "lend":
+            return _lend(keeper, request, _int(h, "rank"), _int(h, "step", None))
+        case "give_back":
+            held = request.scope.get("lent", {}).pop(_int(h, "token"), None)
+            if held is None:
+                raise KeeperRequestInvalid(f"keeper {keeper.node}: token {h.get('token')!r} "
+                                           "names nothing lent on this connection")
+            keeper.unpin(held)
+            return Reply({})
         case "put_replica":
             rank, step = _int(h, "rank"), _int(h, "step")
             manifest = _manifest(request, _int(h, "manifest_nbytes"))
@@ -110,6 +123,19 @@ def _get(keeper: _Served, rank: int, step: int | None) -> Reply:
     header = {"rank": rank, "step": held.step, "source": source,
               "manifest_nbytes": len(held.manifest), "size": held.used}
     return Reply(header, [held.manifest, view], done)
+
+
+def _lend(keeper: _Served, request: Request, rank: int, step: int | None) -> Reply:
+    """Pin a snapshot for a reader on this host, which maps the slot file itself (no bytes
+    cross the socket): the pin lasts until ``give_back`` or until the connection ends."""
+    source, held = keeper.pin(rank, step)
+    lent: dict[int, Any] = request.scope.setdefault("lent", {})
+    if "on_close" not in request.scope:
+        request.scope["on_close"] = [lambda: [keeper.unpin(h) for h in lent.values()]]
+    token = max(lent, default=0) + 1
+    lent[token] = held
+    return Reply({"token": token, "rank": rank, "step": held.step, "source": source,
+                  "path": held.buf.path, "size": held.used}, [held.manifest])
 
 
 _REQUIRED = object()
@@ -182,6 +208,36 @@ class KeeperClient:
         reply = self._frames.request_into(self._stamp({"op": "get", "rank": rank, "step": step}),
                                           self._sink(holder, None))
         return reply["step"], bytes(holder["manifest"]), holder["payload"]
+
+    @contextlib.contextmanager
+    def borrow(self, rank: int, step: int | None = None
+               ) -> Iterator[tuple[int, bytes, memoryview]]:
+        """(step, manifest, payload) of ``rank`` at ``step`` (or the newest held), the
+        payload a read-only map of the keeper's own slot file: for a reader on the keeper's
+        host, nothing is copied through the socket. The keeper keeps the slot pinned until
+        the block ends; drop every view of the payload (tensors over it) before that."""
+        reply, manifest = self._frames.request(
+            self._stamp({"op": "lend", "rank": rank, "step": step}))
+        try:
+            fd = os.open(reply["path"], os.O_RDONLY)
+            try:
+                mapping = mmap.mmap(fd, reply["size"], flags=mmap.MAP_SHARED,
+                                    prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            view = memoryview(mapping)
+            try:
+                yield reply["step"], bytes(manifest or b""), view
+            finally:
+                with contextlib.suppress(BufferError):  # a view outlived the block: the
+                    view.release()                      # map goes with the last one
+                    mapping.close()
+        finally:
+            try:
+                self._call({"op": "give_back", "token": reply["token"]})
+            except (KeeperRequestInvalid, PeerUnreachable) as exc:
+                # the loan ended with the connection that took it
+                log.debug("keeper.give_back_skipped token=%s error=%s", reply["token"], exc)
 
     def get_into(self, rank: int, dest: memoryview,
                  step: int | None = None) -> tuple[int, bytes, int]:

@@ -16,8 +16,10 @@ log = logging.getLogger(__name__)
 
 
 def ladder_sources(descriptors: Sequence[Mapping[str, Any]], *, job: str, secret: bytes | None,
-                   timeout_s: float, generation: int) -> list[SnapshotSource]:
-    """Sources for ``restore`` from the plan's plain descriptors, in the plan's order."""
+                   timeout_s: float, generation: int,
+                   local_node: str | None = None) -> list[SnapshotSource]:
+    """Sources for ``restore`` from the plan's plain descriptors, in the plan's order; the
+    keeper of ``local_node`` (this process's node) lends its slots to be mapped."""
     sources: list[SnapshotSource] = []
     for item in descriptors:
         kind = item.get("kind")
@@ -28,7 +30,8 @@ def ladder_sources(descriptors: Sequence[Mapping[str, Any]], *, job: str, secret
                 return KeeperClient(host, port, secret or b"", job, timeout_s=timeout_s,
                                     role="restore", generation=generation)
 
-            sources.append(KeeperSource(f"keeper {node}", factory))
+            sources.append(KeeperSource(f"keeper {node}", factory,
+                                        local=local_node is not None and node == local_node))
         elif kind == "tier" and item.get("tier") == "disk":
             sources.append(TierSource(DiskTier(Path(str(item["path"])), job)))
         elif kind == "tier" and item.get("tier") == "s3":
@@ -42,11 +45,12 @@ def ladder_sources(descriptors: Sequence[Mapping[str, Any]], *, job: str, secret
 
 def restore_rank(objects: Mapping[str, Any], rank: int, step: int,
                  descriptors: Sequence[Mapping[str, Any]], *, job: str, secret: bytes | None,
-                 timeout_s: float, generation: int) -> RestoreResult:
+                 timeout_s: float, generation: int,
+                 local_node: str | None = None) -> RestoreResult:
     """Apply (rank, step) from the first verified source; raises ``SnapshotNotFound``."""
     started = time.perf_counter()
     sources = ladder_sources(descriptors, job=job, secret=secret, timeout_s=timeout_s,
-                             generation=generation)
+                             generation=generation, local_node=local_node)
     result = restore(objects, rank, step, sources, secret, job)
     log.info("event=rank_restored rank=%d step=%d source=%r bytes=%d seconds=%.3f", rank, step,
              result.source, result.manifest.total_bytes, time.perf_counter() - started)

@@ -346,7 +346,7 @@ class Session:
     def _apply_restore(self, step: int, sources: Any, generation: int) -> None:
         ctx = self.context
         restore_rank(self._objects, ctx.rank, step, sources, job=ctx.job, secret=ctx.secret,
-                     timeout_s=ctx.group_timeout_s, generation=generation)
+                     timeout_s=ctx.group_timeout_s, generation=generation, local_node=ctx.node)
         self.generation = generation
         if self._snapshotter is not None:
             self._snapshotter.set_generation(generation)

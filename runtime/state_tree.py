@@ -186,9 +186,11 @@ def flatten_state(objects: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], 
 class _Builder:
     """Decodes spec nodes; raises SnapshotCorrupt naming the path of a malformed node."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], copy: bool) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], copy: bool,
+                 into: Mapping[str, torch.Tensor] | None = None) -> None:
         self.tensors = tensors
         self.copy = copy
+        self.into = into or {}
         self.used: dict[str, torch.Tensor] = {}
 
     def decode(self, node: Any, path: str) -> Any:
@@ -250,7 +252,16 @@ class _Builder:
                                   "that is not in the payload")
         if name not in self.used:
             t = self.tensors[name]
-            self.used[name] = t.clone() if self.copy else t
+            dest = self.into.get(name)
+            if not self.copy:
+                self.used[name] = t
+            elif dest is not None and (dest.shape, dest.dtype, dest.device) == (
+                    t.shape, t.dtype, t.device) and dest.data_ptr() != t.data_ptr():
+                with torch.no_grad():
+                    dest.copy_(t)
+                self.used[name] = dest
+            else:
+                self.used[name] = t.clone()
         return self.used[name]
 
 
@@ -278,12 +289,12 @@ def _spec_objects(spec: Any) -> dict[str, dict]:
     return spec["objects"]
 
 
-def _decode_all(tensors: Mapping[str, torch.Tensor], spec: Any,
-                copy_for: Any) -> dict[str, tuple[str, Any]]:
+def _decode_all(tensors: Mapping[str, torch.Tensor], spec: Any, copy_for: Any,
+                into_for: Any = None) -> dict[str, tuple[str, Any]]:
     out: dict[str, tuple[str, Any]] = {}
     used: set[str] = set()
     for name, entry in _spec_objects(spec).items():
-        builder = _Builder(tensors, copy_for(name))
+        builder = _Builder(tensors, copy_for(name), into_for(name) if into_for else None)
         out[name] = (entry["kind"], builder.decode(entry["tree"], _join("", name)))
         used.update(builder.used)
     unreferenced = sorted(set(tensors) - used)
@@ -314,8 +325,11 @@ def apply_state(objects: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     content) and, when ``objects`` is mutable (a dict), rebound there: afterwards
     ``objects[name]`` holds the restored value even for an int or a str. Every plain value
     is also returned as ``{name: value}``. Nothing in the objects aliases ``tensors``
-    afterwards: everything but modules gets clones, so the snapshot buffer may be reused at
-    once. Raises ValueError when the registered names differ from the snapshot's,
+    afterwards, so the snapshot buffer may be reused at once: a module copies into its
+    parameters; other objects get their restored tensors copied into the tensors they hold
+    now at the same path (same shape, dtype and device: an optimizer's state after a
+    rollback; fresh memory would cost page faults, slower here than the copy), else
+    clones. Raises ValueError when the registered names differ from the snapshot's,
     SnapshotCorrupt when the spec is malformed.
     """
     names = _spec_objects(spec)
@@ -323,7 +337,8 @@ def apply_state(objects: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
         raise ValueError(f"snapshot holds objects {sorted(names)} but {sorted(objects)} are "
                          "registered; register the same objects as at capture")
     decoded = _decode_all(tensors, spec,
-                          lambda name: not isinstance(objects[name], torch.nn.Module))
+                          lambda name: not isinstance(objects[name], torch.nn.Module),
+                          lambda name: _live_tensors(name, objects[name]))
     values: dict[str, Any] = {}
     for name, obj in objects.items():
         kind, tree = decoded[name]
@@ -340,6 +355,16 @@ def apply_state(objects: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
         objects.update(values)
     log.debug("event=state_applied objects=%d tensors=%d", len(objects), len(tensors))
     return values
+
+
+def _live_tensors(name: str, obj: Any) -> dict[str, torch.Tensor]:
+    """The tensors a non-module object holds now, by snapshot path (``apply_state``)."""
+    if isinstance(obj, torch.nn.Module) or object_kind(obj) == "generator":
+        return {}
+    try:
+        return flatten_state({name: obj})[0]
+    except (TypeError, ValueError):     # a value that was never capturable: nothing to reuse
+        return {}
 
 
 def assign_in_place(old: Any, new: Any) -> Any:

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from configs.errors import PeerUnreachable, PhalanxError, ServiceStartError
@@ -30,6 +30,9 @@ class Request:
     peer: PeerInfo
     header: dict[str, Any]
     payload: IncomingPayload
+    # shared by every request of one connection; callables in scope["on_close"] run once
+    # the connection ends, however it ends (e.g. releasing what a peer borrowed)
+    scope: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -164,6 +167,7 @@ class FrameServer:
 
     def _serve(self, conn: socket.socket, where: str) -> None:
         """Connection thread: handshake, then request/reply until the peer or close() ends it."""
+        scope: dict[str, Any] = {}
         try:
             conn.settimeout(self._timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -173,7 +177,7 @@ class FrameServer:
                                      idle_timeout_s=self._idle_timeout_s)
                 if header is None:
                     break
-                self._serve_one(conn, where, peer, header)
+                self._serve_one(conn, where, peer, header, scope)
         except FrameInvalid as exc:
             log.warning("transport.frame_invalid name=%s peer=%s error=%s", self._name, where, exc)
             with contextlib.suppress(PhalanxError):  # "closing": the client must reconnect
@@ -186,11 +190,16 @@ class FrameServer:
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
+            for closer in scope.get("on_close", []):
+                try:
+                    closer()
+                except Exception:  # one failed release must not skip the others
+                    log.exception("transport.on_close_failed name=%s peer=%s", self._name, where)
 
     def _serve_one(self, conn: socket.socket, where: str, peer: PeerInfo,
-                   header: dict[str, Any]) -> None:
+                   header: dict[str, Any], scope: dict[str, Any]) -> None:
         incoming = IncomingPayload(conn, header["nbytes"], where, self._chunk)
-        reply = self._dispatch(Request(peer, header, incoming))
+        reply = self._dispatch(Request(peer, header, incoming, scope))
         try:
             incoming.drain()
             send_frame(conn, {"ok": True, **reply.header}, reply.payload, where=where,

@@ -287,3 +287,40 @@ def test_memory_plan_and_capacity_check(tmp_path):
         with pytest.raises(ConfigError):
             Keeper(bad, "job", SECRET)
 
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+def test_a_borrowed_slot_is_mapped_pinned_and_released_when_given_back_or_cut(keeper, client):
+    """A reader on the keeper's host maps the slot itself; while it holds the loan the
+    worker's claims never take that slot (with 2 slots: SlotBusy), and the loan ends with
+    the block or with the reader's connection."""
+    n = 1 << 20
+    client.alloc(0, n)
+    _publish(client, 0, 1, _pattern(1, n))
+    _publish(client, 0, 2, _pattern(2, n))
+    with KeeperClient(*keeper.address, SECRET, keeper.job, role="restore", generation=1) as reader:
+        with reader.borrow(0, 1) as (step, manifest, payload):
+            assert (step, json.loads(manifest)) == (1, {"step": 1})
+            assert payload.readonly and bytes(payload) == _pattern(1, n)
+            with pytest.raises(SlotBusy):       # step 2 is the newest, step 1 is on loan
+                client.claim(0)
+    _publish(client, 0, 3, _pattern(3, n))      # given back: step 1's slot was reused
+    assert client.holdings()[0]["local"] == [2, 3]
+    cut = KeeperClient(*keeper.address, SECRET, keeper.job, role="restore", generation=1)
+    loan = cut.borrow(0, 2)
+    assert loan.__enter__()[0] == 2
+    with pytest.raises(SlotBusy):
+        client.claim(0)
+    cut._frames.close()                          # the reader's connection dies mid-loan
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            client.claim(0)
+            break
+        except SlotBusy:
+            assert time.monotonic() < deadline, "the loan outlived its connection"
+    loan.__exit__(None, None, None)              # giving back a loan that died is quiet
+    cut.close()
+    with pytest.raises(KeeperRequestInvalid, match="names nothing lent"):
+        client._call({"op": "give_back", "token": 99})

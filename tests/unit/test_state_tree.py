@@ -400,3 +400,26 @@ def test_plain_values_are_rebound_in_the_registered_dict() -> None:
     read_only = MappingProxyType({"epoch": 0})             # cannot be rebound: returned only
     assert apply_state(read_only, *flatten_state({"epoch": 7})) == {"epoch": 7}
     assert read_only["epoch"] == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_rollback_restores_optimizer_state_into_the_tensors_it_already_holds(name: str) -> None:
+    """A survivor rolling back keeps its optimizer's state tensors (no fresh memory), and
+    nothing it holds afterwards aliases the snapshot buffer."""
+    model = make_mlp([5, 4, 3], 1)
+    opt = OPTIMIZERS[name](model.parameters())
+    train(model, opt, 2, 1)
+    payload, manifest = capture({"model": model, "optim": opt})
+    expected = copy.deepcopy(opt.state_dict())
+    train(model, opt, 3, 2)                     # the survivor ran ahead
+    held = {id(t): t.data_ptr() for s in opt.state.values() for t in s.values()
+            if isinstance(t, torch.Tensor) and t.numel() > 1}
+    buffer = bytearray(payload)
+    restore({"model": model, "optim": opt}, buffer, manifest)
+    assert_same(expected, opt.state_dict())
+    now = [t for s in opt.state.values() for t in s.values()
+           if isinstance(t, torch.Tensor) and t.numel() > 1]
+    assert now and all(held.get(id(t)) == t.data_ptr() for t in now)
+    buffer[:] = bytes(len(buffer))               # the buffer is reused: state unchanged
+    assert_same(expected, opt.state_dict())
