@@ -61,7 +61,20 @@ class Recovery:
     phase_start: int = 0
 
 
+@dataclass
+class Waiting:
+    """A recovery parked by ``spares.on_exhausted: wait``: the faults to recover from once
+    a spare is warm again, and when to give up (coordinator clock)."""
+
+    faults: list[FaultReport]
+    deadline: float
+    reason: str
+    needed: int                    # warm spares the parked plan needs
+    next_try: float = 0.0
+
+
 Launch = Callable[[RankSlot, int, dict | None], Any]
+WAIT_RETRY_S = 0.2        # how often a parked recovery looks for a warm spare
 
 
 class RecoveryCoordinator:
@@ -78,7 +91,9 @@ class RecoveryCoordinator:
         self.events = events
         self.run_dir = run_dir
         self.clock = clock
-        self.phases = PhaseMachine(clock)
+        self.phases = PhaseMachine(clock, on_change=lambda c: events.emit(
+            "phase", **{"from": c.from_phase.value, "to": c.to_phase.value,
+                        "reason": c.reason, "duration_s": round(c.duration_s, 4)}))
         self.generation = 0
         self.recoveries = 0
         self.live_nodes: set[int] = set(range(cfg.job.nodes))
@@ -86,6 +101,7 @@ class RecoveryCoordinator:
         self.placement: Placement | None = None
         self.committed: Callable[[], int] = lambda: -1
         self.history: list[dict[str, Any]] = []
+        self.waiting: Waiting | None = None
 
     def fence_initial(self) -> None:
         if not self.membership.compare_and_swap(GENERATION_KEY, 0, b"0"):
@@ -117,12 +133,18 @@ class RecoveryCoordinator:
                          holders={str(r): h for r, h in sorted(holders.items())})
 
     # -- the recovery ------------------------------------------------------------------
-    def recover(self, faults: Sequence[FaultReport], slots: dict[int, RankSlot]) -> None:
-        """Plan and execute one recovery; raises ``PlanInfeasible`` when the plan aborts."""
+    def recover(self, faults: Sequence[FaultReport], slots: dict[int, RankSlot],
+                *, replay: bool = False) -> None:
+        """Plan and execute one recovery; raises ``PlanInfeasible`` when the plan aborts. A
+        plan that must wait for capacity parks the recovery (phase DEGRADED): ``retry``
+        plans it again once a spare is warm, until ``spares.wait_timeout_s``."""
+        if self.waiting is not None:       # faults while parked join the parked ones
+            faults = self.waiting.faults + self.fresh(faults)
         root = min(faults, key=lambda f: f.observed_at)
         for fault in faults:
-            self.events.emit("fault", kind=fault.kind.value, ranks=list(fault.ranks),
-                             node=fault.node, evidence=fault.evidence)
+            if not replay:             # a parked recovery planned again: known faults
+                self.events.emit("fault", kind=fault.kind.value, ranks=list(fault.ranks),
+                                 node=fault.node, evidence=fault.evidence)
             if fault.kind is FaultKind.NODE_DIED and fault.node:
                 self._forget_node(fault.node)
         phase_start = len(self.phases.history)
@@ -146,9 +168,13 @@ class RecoveryCoordinator:
             plan = dataclasses.replace(plan, actions=(Abort(
                 f"{plan.reason}: no step is committed in memory or complete in a tier, so "
                 "there is nothing to roll back to; persist earlier (tiers.disk.every_steps)"),))
-        if plan.aborted or plan.waiting:
+        if plan.waiting and not plan.aborted:
+            self._park(list(faults), plan)
+            return
+        if plan.aborted:
             self.phases.transition(Phase.FAILED, plan.reason)
             raise PlanInfeasible(plan.reason)
+        self.waiting = None
         self.phases.transition(Phase.FENCING, f"generation {plan.generation}")
         self._fence(plan, reports, slots)
         self.phases.transition(Phase.PROMOTING, "plan published")
@@ -161,6 +187,43 @@ class RecoveryCoordinator:
         self.pending = Recovery(plan.generation, plan.restore_step, root.observed_at, root,
                                 {"detect": detect_s}, plan.reason, fault_wall,
                                 max(0, newest - plan.restore_step), phase_start)
+
+    def _park(self, faults: list[FaultReport], plan: RecoveryPlan) -> None:
+        needed = len({rank for fault in faults for rank in fault.ranks})
+        if self.waiting is None:
+            wait = next(a for a in plan.actions if isinstance(a, WaitForCapacity))
+            self.waiting = Waiting(faults, self.clock() + max(0.0, wait.deadline_s - time.time()),
+                                   plan.reason, needed)
+            self.events.emit("waiting_for_capacity", reason=plan.reason, spares_needed=needed,
+                             wait_timeout_s=self.cfg.spares.wait_timeout_s)
+        self.waiting.faults, self.waiting.needed = faults, needed
+        self.waiting.next_try = self.clock() + WAIT_RETRY_S
+        self.phases.transition(Phase.DEGRADED, plan.reason)
+        if self.pool is not None:      # replacements start as the cluster has room
+            self.pool.refill(sorted(self.live_nodes), at_least=needed)
+
+    def fresh(self, faults: Sequence[FaultReport]) -> list[FaultReport]:
+        """``faults`` less those a parked recovery already waits on (a dead worker is
+        observed again at every poll until its rank is placed)."""
+        if self.waiting is None:
+            return list(faults)
+        known = {(f.kind, f.ranks, f.node) for f in self.waiting.faults}
+        return [f for f in faults if (f.kind, f.ranks, f.node) not in known]
+
+    def retry(self, slots: dict[int, RankSlot]) -> None:
+        """Called every poll: plan a parked recovery again once a spare is warm; past the
+        deadline, fail the job (``PlanInfeasible``) naming what it waited for."""
+        waiting = self.waiting
+        if waiting is None or self.clock() < waiting.next_try:
+            return
+        if self.clock() > waiting.deadline:
+            self.phases.transition(Phase.FAILED, "no capacity before the deadline")
+            raise PlanInfeasible(f"{waiting.reason}; none came within spares.wait_timeout_s="
+                                 f"{self.cfg.spares.wait_timeout_s}")
+        if len(self._spares().spares) >= waiting.needed:
+            self.recover(waiting.faults, slots, replay=True)
+        else:
+            waiting.next_try = self.clock() + WAIT_RETRY_S
 
     def _world(self, slots: dict[int, RankSlot], reports: Mapping[str, KeeperReport],
                tiers: TierInventory) -> WorldView:

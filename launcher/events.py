@@ -2,8 +2,10 @@
 directory (``events.jsonl``) and, bounded, under ``events/`` in etcd for ``phalanx status``."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import queue
 import threading
 import time
 from pathlib import Path
@@ -15,10 +17,15 @@ from runtime.base import Membership
 log = logging.getLogger(__name__)
 EVENTS_PREFIX = "events/"
 ETCD_EVENTS_KEPT = 100
+ETCD_QUEUE = 1000                  # etcd copies waiting to be written, at most
 
 
 class EventLog:
-    """Thread-safe; ``emit`` never raises (a failing etcd only loses the etcd copy)."""
+    """Thread-safe; ``emit`` never raises (a failing etcd only loses the etcd copy).
+
+    events.jsonl is written at once; the etcd copies go through one writer thread, so a
+    recovery's phase changes never wait for etcd round trips. ``close`` (or ``flush``)
+    waits for them."""
 
     def __init__(self, path: Path, membership: Membership | None = None) -> None:
         self._path = path
@@ -26,6 +33,12 @@ class EventLog:
         self._lock = threading.Lock()
         self._serial = 0
         self.events: list[dict[str, Any]] = []
+        self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue(ETCD_QUEUE)
+        self._writer: threading.Thread | None = None
+        if membership is not None:
+            self._writer = threading.Thread(target=self._write_etcd, name="phalanx-events",
+                                            daemon=True)
+            self._writer.start()
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append to events.jsonl and put under ``events/`` in etcd."""
@@ -47,14 +60,43 @@ class EventLog:
             with self._path.open("a", encoding="utf-8") as handle:
                 handle.write(line + "\n")
         log.info("event=%s %s", event, " ".join(f"{k}={v!r}" for k, v in fields.items()))
-        if to_etcd and self._membership is not None:
+        if to_etcd and self._writer is not None:
             try:
-                self._membership.put(f"{EVENTS_PREFIX}{serial:010d}", line.encode())
+                self._queue.put_nowait((serial, line.encode()))
+            except queue.Full:
+                log.warning("event=event_not_in_etcd serial=%d error=queue full", serial)
+        return record
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait (up to ``timeout_s``) until every queued etcd copy was written."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self._writer is None:
+            return
+        self.flush(timeout_s)
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+        self._writer.join(timeout_s)
+        self._writer = None
+
+    def _write_etcd(self) -> None:
+        assert self._membership is not None
+        while (item := self._queue.get()) is not None:
+            serial, line = item
+            try:
+                self._membership.put(f"{EVENTS_PREFIX}{serial:010d}", line)
                 if serial > ETCD_EVENTS_KEPT:
                     self._membership.delete(f"{EVENTS_PREFIX}{serial - ETCD_EVENTS_KEPT:010d}")
             except MembershipUnavailable as exc:
-                log.warning("event=event_not_in_etcd error=%s", exc)
-        return record
+                log.warning("event=event_not_in_etcd serial=%d error=%s", serial, exc)
+            except Exception:  # thread boundary: the JSONL copy is already written
+                log.exception("event=event_not_in_etcd serial=%d", serial)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

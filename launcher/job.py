@@ -34,7 +34,7 @@ from spares.actor import WorkerActor
 from spares.pool import SparePool
 from recovery.base import FaultReport, WorldView
 from recovery.detection import NodeLost, StallDetector, classify
-from runtime.context import WorkerContext
+from runtime.context import DEFAULT_PLAN_TIMEOUT_S, WorkerContext
 from runtime.tier_config import read_job_secret
 from runtime.session import FINISHED_PREFIX
 from runtime.shm import check_capacity, memory_plan
@@ -87,6 +87,7 @@ class JobRunner:
             self.services, self._stack = services, stack
             self._start_keepers(services, run, stack)
             events = EventLog(run.path / "events.jsonl", services.membership)
+            stack.callback(events.close)     # before the membership closes (LIFO)
             pool = self._start_spares(stack)
             coordinator = RecoveryCoordinator(
                 self.cfg, services.membership, self.keepers, pool,
@@ -174,7 +175,7 @@ class JobRunner:
             keeper_host=keeper_host, keeper_port=keeper_port,
             snapshot_every=str(cfg.snapshot.every_steps),
             overhead_budget=cfg.snapshot.overhead_budget, checksum=cfg.snapshot.checksum,
-            secret_hex=self.secret_hex,
+            secret_hex=self.secret_hex, plan_timeout_s=plan_timeout_s(cfg),
             extra={"restore": restore} if restore else {})
 
     def _new_actor(self, node: int, name: str) -> Any:
@@ -231,12 +232,13 @@ class JobRunner:
                 for sample in polled.progress:
                     if sample.step > 0:  # setting up the first step is not a stall
                         stall.observe(sample)
-                faults = self._classify(polled, slots, coordinator, stall)
+                faults = coordinator.fresh(self._classify(polled, slots, coordinator, stall))
                 if faults:
                     if not cfg.recovery.enabled:
                         raise PlanInfeasible(f"recovery is disabled: {faults[0].evidence}")
                     coordinator.recover(faults, slots)
                     stall.reset()
+                coordinator.retry(slots)
                 coordinator.check_resumed(members)
                 commits.poll()
                 if injector is not None:
@@ -279,9 +281,16 @@ class JobRunner:
         signals = [s for s in polled.signals  # a node already handled is not a new fault
                    if not isinstance(s, NodeLost) or s.node in live]
         faults = classify(signals, world, now)
-        if not faults and coordinator.pending is None:
-            faults = stall.check(now)
+        if not faults and coordinator.pending is None and coordinator.waiting is None:
+            faults = stall.check(now)     # (ranks waiting for a parked plan are not hung)
         return faults
+
+
+def plan_timeout_s(cfg: PhalanxConfig) -> float:
+    """How long a survivor waits for the next generation's plan: longer than any recovery
+    the coordinator may park (``spares.on_exhausted: wait``)."""
+    waits = cfg.spares.wait_timeout_s if cfg.spares.on_exhausted == "wait" else 0.0
+    return max(DEFAULT_PLAN_TIMEOUT_S, waits + DEFAULT_PLAN_TIMEOUT_S / 2)
 
 
 def job_secret(cfg: PhalanxConfig, run: RunDir) -> bytes:

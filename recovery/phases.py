@@ -68,8 +68,10 @@ class PhaseMachine:
     Starts in STEADY at ``clock()``. Not thread-safe: the coordinator thread owns it.
     """
 
-    def __init__(self, clock: Callable[[], float], initial: Phase = Phase.STEADY) -> None:
+    def __init__(self, clock: Callable[[], float], initial: Phase = Phase.STEADY,
+                 on_change: Callable[[PhaseChange], None] | None = None) -> None:
         self._clock = clock
+        self._on_change = on_change
         self._phase = initial
         self._entered_at = clock()
         self._totals: dict[str, float] = {}
@@ -105,6 +107,8 @@ class PhaseMachine:
         self._phase, self._entered_at = to, now
         log.info("event=phase from=%s to=%s duration_s=%.6f reason=%r", change.from_phase.value,
                  to.value, change.duration_s, reason)
+        if self._on_change is not None:
+            self._on_change(change)
         return change
 
     def timings(self) -> dict[str, float]:

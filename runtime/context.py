@@ -11,6 +11,8 @@ from configs.errors import ConfigError
 
 ENV_KEY = "PHALANX_CONTEXT"
 
+DEFAULT_PLAN_TIMEOUT_S = 120.0
+
 
 @dataclass(frozen=True)
 class WorkerContext:
@@ -38,6 +40,7 @@ class WorkerContext:
     overhead_budget: float = 0.03
     checksum: str = "xxh3"
     secret_hex: str = field(default="", repr=False)
+    plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S   # how long a survivor waits for a plan
     extra: dict[str, object] = field(default_factory=dict)
 
     @property

@@ -61,6 +61,8 @@ class Keeper:
         self._free: list[ShmBuffer] = []
         self._seq = itertools.count()
         self._closed = False
+        self._push_s: dict[tuple[int, str], float] = {}     # (rank, holder) -> last push
+        self._publish_listeners: list[Callable[[], None]] = []
         self.tensor_index = TensorIndex()  # held tensors by checksum, for replica dedup
         self._server = FrameServer(bind_host, port, secret=secret, job=job, handler=self._handle,
                                    generation_check=generation_check, timeout_s=timeout_s,
@@ -230,6 +232,12 @@ class Keeper:
                 self._doom(old)
             table.retired = []
             self._cond.notify_all()
+            listeners = list(self._publish_listeners)
+        for listener in listeners:
+            try:
+                listener()
+            except Exception:  # a listener's bug must not fail the worker's publish
+                log.exception("keeper.publish_listener_failed node=%s", self.node)
         log.debug("keeper.published node=%s rank=%d step=%d slot=%d nbytes=%d",
                   self.node, rank, step, slot, nbytes)
 
@@ -413,6 +421,27 @@ class Keeper:
         log.info("keeper.dropped node=%s rank=%s below=%s above=%s local=%s replica=%s",
                  self.node, rank, below_step, above_step, dropped["local"], dropped["replica"])
         return dropped
+
+    def on_publish(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (it must not block) after every publish of a local rank."""
+        with self._cond:
+            self._publish_listeners.append(callback)
+
+    def remove_publish_listener(self, callback: Callable[[], None]) -> None:
+        with self._cond:
+            if callback in self._publish_listeners:
+                self._publish_listeners.remove(callback)
+
+    def record_push(self, rank: int, holder: str, seconds: float) -> None:
+        """The replicator pushed ``rank``'s newest snapshot to ``holder`` in ``seconds``."""
+        with self._cond:
+            self._push_s[rank, holder] = seconds
+
+    def replication_cost(self, rank: int) -> float:
+        """Seconds the last push of ``rank``'s snapshot took, summed over its holders: what
+        a snapshot costs the machine beyond its capture (``snapshot.every_steps: auto``)."""
+        with self._cond:
+            return sum(s for (r, _), s in self._push_s.items() if r == rank)
 
     def holdings(self) -> dict[int, dict[str, Any]]:
         """Per rank: ready local steps, replica steps, and whether a slot is being written."""

@@ -42,6 +42,7 @@ class _Served(Protocol):
 
     def alloc(self, rank: int, nbytes: int) -> list[str]: ...
     def claim(self, rank: int, protect_step: int | None = None) -> tuple[int, str]: ...
+    def replication_cost(self, rank: int) -> float: ...
     def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int) -> None: ...
     def pin(self, rank: int, step: int | None = None) -> tuple[str, Any]: ...
     def unpin(self, held: Any) -> None: ...
@@ -64,8 +65,10 @@ def handle(keeper: _Served, request: Request) -> Reply:
         case "alloc":
             return Reply({"paths": keeper.alloc(_int(h, "rank"), _int(h, "size"))})
         case "claim":
-            slot, path = keeper.claim(_int(h, "rank"), _int(h, "protect_step", None))
-            return Reply({"slot": slot, "path": path})
+            rank = _int(h, "rank")
+            slot, path = keeper.claim(rank, _int(h, "protect_step", None))
+            return Reply({"slot": slot, "path": path,
+                          "replication_s": keeper.replication_cost(rank)})
         case "publish":
             manifest = _manifest(request, request.payload.nbytes)
             keeper.publish(_int(h, "rank"), _int(h, "step"), _int(h, "slot"), manifest,
@@ -170,6 +173,9 @@ class KeeperClient:
         self._frames = FrameClient(host, port, secret, job, role, timeout_s,
                                    generation=generation)
         self._timeout_s = timeout_s
+        # what the keeper said at the last claim: seconds its replicator spent pushing the
+        # claimed rank's previous snapshot to every holder
+        self.replication_s = 0.0
 
     @property
     def address(self) -> str:
@@ -196,6 +202,7 @@ class KeeperClient:
         """(slot, path) to write the next snapshot into; unpublished until ``publish``."""
         reply = self._call({"op": "claim", "rank": rank, "protect_step": protect_step},
                            reply_timeout_s=2 * self._timeout_s)
+        self.replication_s = float(reply.get("replication_s", 0.0))
         return reply["slot"], reply["path"]
 
     def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int) -> None:

@@ -3,7 +3,7 @@ to the keepers that hold its replicas, asynchronously to training. The protocol 
 dedup, chunk digests, the receiving side) is ``runtime.replica_wire``.
 
     this node's keeper             Replicator                        holder keepers
-    ┌───────────────────┐   poll   ┌──────────────────────────┐
+    ┌───────────────────┐ publish  ┌──────────────────────────┐
     │ rank 0: s7 s8     │ ───────▶ │ sender "b": one push at   │ ──▶ b  (ranks 0, 1)
     │ rank 1: s8 (s9 …) │          │ a time, the NEWEST step   │
     └───────────────────┘          │ b does not hold yet       │
@@ -18,7 +18,8 @@ gives way to the worker: a ``claim`` that needs the slot shuts the push's socket
 frozen holder never blocks training; a keeper with ``slots >= 3`` lets one push span
 two snapshot intervals instead of one. Every socket call has ``timeout_s``; a failing
 holder is retried with exponential backoff (up to ``max_backoff_s``) while the others go
-on in their own threads.
+on in their own threads. A publish wakes the senders at once (``Keeper.on_publish``);
+``poll_s`` is only a safety net.
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ __all__ = ["Replicator"]
 # 2-core machine before the first chunk is read (as runtime.keeper_wire allows for alloc).
 _ALLOC_BYTES_PER_S = 100e6
 _FIRST_BACKOFF_S = 0.05
+# Below this size a snapshot is pushed without an offer: the offer's round trip (and the
+# holder's index lookup) costs more than sending the bytes over loopback (~2 GB/s here).
+OFFER_MIN_BYTES = 256 << 10
 
 
 class _Preempted(Exception):
@@ -71,7 +75,7 @@ class Replicator:
     """
 
     def __init__(self, keeper: Keeper, node: str, *, secret: bytes, job: str,
-                 timeout_s: float = 10.0, chunk_bytes: int = 4 << 20, poll_s: float = 0.02,
+                 timeout_s: float = 10.0, chunk_bytes: int = 4 << 20, poll_s: float = 1.0,
                  on_event: Callable[[dict], None] | None = None, digest: str = "sum64",
                  max_backoff_s: float = 5.0) -> None:
         """Raises ValueError for bad sizes or times, ConfigError for an empty secret."""
@@ -95,6 +99,7 @@ class Replicator:
         self._retired: list[_Sender] = []
         self._totals = dict.fromkeys(("pushes", "failures", "preempted", "bytes_sent",
                                       "bytes_saved"), 0)
+        keeper.on_publish(self._wake_senders)   # push at once; poll_s is only a safety net
 
     # ----- lifecycle --------------------------------------------------------------------
 
@@ -112,6 +117,7 @@ class Replicator:
     def close(self) -> None:
         """Abort pushes in flight, close every connection, join the senders. Idempotent."""
         self._stop.set()
+        self.keeper.remove_publish_listener(self._wake_senders)
         with self._lock:
             senders = list(self._targets.values()) + self._retired
             self._retired = []
@@ -127,6 +133,12 @@ class Replicator:
 
     def __enter__(self) -> "Replicator":
         return self.start()
+
+    def _wake_senders(self) -> None:
+        with self._lock:
+            senders = list(self._targets.values())
+        for sender in senders:
+            sender.wake.set()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -257,7 +269,9 @@ class _Sender:
                     self._back_off()
                     busy = False
                 if not busy:
-                    self.wake.wait(self.owner.poll_s)
+                    retry_in = self._retry_at - time.monotonic()
+                    self.wake.wait(min(self.owner.poll_s, retry_in) if retry_in > 0
+                                   else self.owner.poll_s)
                     self.wake.clear()
         finally:
             self._set_link(None)
@@ -347,6 +361,7 @@ class _Sender:
                       self.owner.node, self.target, rank, step)
             return
         seconds = time.monotonic() - started
+        keeper.record_push(rank, self.target, seconds)
         log.debug("replication.pushed node=%s target=%s rank=%d step=%d sent=%d saved=%d "
                   "seconds=%.3f", self.owner.node, self.target, rank, step, sent, saved, seconds)
         self.owner._record({"event": "replica_pushed", "rank": rank, "step": step,
@@ -360,6 +375,8 @@ class _Sender:
         already held the step, bytes saved, the holder's steps of ``rank``)."""
         size = view.nbytes
         base = {"rank": rank, "step": step, "size": size, "generation": generation}
+        if size < OFFER_MIN_BYTES:      # the round trip would cost more than it could save
+            return self._send(link, base, manifest, view, [(0, size)], [], check, [])
         offer = link.call({"op": "replica_offer", **base}, manifest)
         have, held_steps = offer.get("have"), offer.get("held")
         tensors = tensor_ranges(manifest, size)
@@ -371,16 +388,21 @@ class _Sender:
             return None, size, held_steps
         reuse = sorted(set(have))
         reused = reused_ranges(tensors, reuse)
-        segments = sent_segments(size, reused)
+        return self._send(link, base, manifest, view, sent_segments(size, reused), reuse,
+                          check, reused, offered=len(manifest))
+
+    def _send(self, link: ReplicaLink, base: dict[str, Any], manifest: bytes,
+              view: memoryview, segments: list, reuse: list[int], check: Callable[[], None],
+              reused: list, offered: int = 0) -> tuple[int, int, list[int]]:
         header = {"op": "replica_push", **base, "manifest_nbytes": len(manifest),
                   "chunk_bytes": self.owner.chunk_bytes, "digest": self.owner.digest,
                   "reuse": reuse}
-        first_timeout = self.owner.timeout_s + 4 * size / _ALLOC_BYTES_PER_S
+        first_timeout = self.owner.timeout_s + 4 * base["size"] / _ALLOC_BYTES_PER_S
         check()
         reply = link.push(header, manifest, view, segments, self.owner.digest, check,
                           first_timeout)
-        sent = len(manifest) + push_nbytes(len(manifest), segments, self.owner.chunk_bytes)
-        return sent, sum(n for _, n in reused), list(reply.get("held", [step]))
+        sent = offered + push_nbytes(len(manifest), segments, self.owner.chunk_bytes)
+        return sent, sum(n for _, n in reused), list(reply.get("held", [base["step"]]))
 
     def _failed(self, rank: int, step: int, exc: BaseException, *, preempted: bool) -> None:
         if self.owner._view(self) is None:  # retired or closing: the abort was ours

@@ -39,7 +39,6 @@ from runtime.snapshotter import SnapshotPolicy, Snapshotter
 from runtime.state_tree import RNGState, assign_in_place, object_kind
 
 log = logging.getLogger(__name__)
-PLAN_TIMEOUT_S = 120.0
 FINISHED_PREFIX = "finished/"
 
 
@@ -324,7 +323,7 @@ class Session:
                 self._snapshotter.flush()
             except Exception as exc:  # a publish cut short by the fault; the plan decides
                 log.warning("event=snapshot_flush_failed rank=%d error=%r", self.rank, exc)
-        plan = self._watcher.wait_plan(self.generation, PLAN_TIMEOUT_S)
+        plan = self._watcher.wait_plan(self.generation, self.context.plan_timeout_s)
         assignment = plan.ranks.get(self.rank)
         if assignment is None or assignment.worker != self.context.worker_id:
             raise Fenced(f"rank {self.rank} of generation {plan.generation} belongs to "

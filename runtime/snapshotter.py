@@ -315,8 +315,8 @@ class Snapshotter:
             manifest = manifest.sign(self._secret)
         self._client.publish(self._rank, step, slot, manifest.to_json(), layout.total_bytes)
         background = time.perf_counter() - started
-        if stall is not None:
-            self._control.observe_cost(stall + background)
+        if stall is not None:   # and the replicas the keeper pushed of the previous snapshot
+            self._control.observe_cost(stall + background + self._client.replication_s)
         with self._lock:
             self.stats.captures += 1
             self.stats.last_step = step

@@ -72,11 +72,13 @@ class SparePool:
     def take(self, spare_id: str) -> Spare:
         return self._spares.pop(spare_id)
 
-    def refill(self, live_nodes: list[int]) -> None:
-        """Start spares until the pool is full again, on the least-used live nodes."""
+    def refill(self, live_nodes: list[int], at_least: int = 0) -> None:
+        """Start spares until the pool holds ``spares.count`` again (or ``at_least``, when
+        a parked recovery needs more: Ray starts them as the cluster has room), on the
+        least-used live nodes."""
         if not live_nodes:
             return
-        while len(self._spares) < self._count:
+        while len(self._spares) < max(self._count, at_least):
             used = {node: 0 for node in live_nodes}
             for spare in self._spares.values():
                 if spare.node in used:

@@ -134,3 +134,27 @@ def test_two_lost_nodes_roll_back_to_the_disk_checkpoint(tmp_path: Path,
     # step is the checkpoint itself
     assert plan["restore_step"] == 20, plan
     assert "RestoreFromTier" in plan["actions"], plan
+
+
+@pytest.mark.timeout(400)
+def test_exhausted_spares_with_wait_policy_park_until_a_new_spare_is_warm(
+        tmp_path: Path, fault_free: LaunchResult) -> None:
+    """Two ranks die at once with one spare: the recovery is parked (phase degraded), the
+    pool starts a second spare, and both ranks are promoted from warm spares."""
+    result = launch("configs/demo.yaml", *JOB, "spares.count=1", "spares.on_exhausted=wait",
+                    "drills.scenario=configs/drills/spare_exhausted.yaml", run_root=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.hashes == fault_free.hashes
+    events = events_of(result)
+    waiting = [e for e in events if e["event"] == "waiting_for_capacity"]
+    assert len(waiting) == 1 and waiting[0]["spares_needed"] == 2, waiting
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert len(recovered) == 1 and set(recovered[0]["ranks"]) <= {1, 2}, recovered
+    assert recovered[0]["lost_steps"] <= 1
+    promoted = [e for e in events if e["event"] == "promoted"]
+    assert sorted(e["rank"] for e in promoted) == [1, 2]
+    assert all(e["worker"].startswith("spare") for e in promoted)   # never a cold restart
+    assert len({e["worker"] for e in promoted}) == 2
+    degraded = [e for e in events if e["event"] == "phase" and e["to"] == "degraded"]
+    assert degraded, "the parked recovery must show as phase degraded"
+    assert len([e for e in events if e["event"] == "fault"]) == 2   # not re-emitted

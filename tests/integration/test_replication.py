@@ -393,3 +393,31 @@ def test_chunk_plan_and_digests():
     assert replica_wire.dedup_candidates(tensors) == [0]  # crc32 never deduplicates
     assert replica_wire.tensor_ranges(manifest, 8199) == []  # b runs past the payload
     assert replica_wire.tensor_ranges(b'{"step": 1}', 10) == []
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_publish_wakes_the_sender_without_waiting_for_a_poll(keepers, cleanup):
+    """Pushes follow publishes at once (no polling delay), small snapshots skip the offer,
+    and the keeper reports each push's seconds as the rank's replication cost."""
+    worker = _Worker(keepers["a"], 0, _tensors(3, (1024, 256)))     # 5 KiB: no offer
+    cleanup(worker)
+    events = _Events()
+    rep = _replicator(keepers, "a", cleanup, on_event=events, poll_s=30.0)
+    rep.set_targets(1, {0: ["b"]}, _addresses(keepers))
+    rep.start()
+    time.sleep(0.2)                       # the sender is parked in its (30 s) wait
+    for step in (1, 2):
+        started = time.monotonic()
+        worker.publish(step)
+        pushed = events.wait(lambda e, s=step: e.get("step") == s)
+        assert pushed["event"] == "replica_pushed"
+        assert time.monotonic() - started < 5.0
+    _, held = keepers["a"].pin(0, 2)
+    try:
+        no_offer = replica_wire.push_nbytes(len(held.manifest), [(0, held.used)],
+                                            rep.chunk_bytes)
+    finally:
+        keepers["a"].unpin(held)
+    assert pushed["bytes_sent"] == no_offer, "an offer was sent too"
+    assert keepers["a"].replication_cost(0) == pytest.approx(pushed["seconds"])

@@ -90,6 +90,7 @@ def test_status_shows_recent_events(etcd_endpoint: str, tmp_path: Path) -> None:
         events.record("tier_persisted", tier="disk", node="node0", step=2)
         events.emit("tier_degraded", tier="s3", node="node1", step=4,
                     error="TierUnavailable: bucket 'gone' does not exist")
+        events.close()
         out = io.StringIO()
         assert show_status(run, Console(file=out, width=200)) == 0
     finally:

@@ -73,3 +73,30 @@ def test_cuda_capture_hashes_each_part_as_it_lands(monkeypatch: pytest.MonkeyPat
     model(torch.randn(8, 1024, device="cuda")).sum().backward()
     optimizer.step()
     assert capture_and_check({"model": model, "optimizer": optimizer}, 2) == 2
+
+
+def test_auto_counts_the_keepers_replica_pushes_as_snapshot_cost() -> None:
+    """``every_steps: auto`` keeps the whole cost of a snapshot under budget, and pushing
+    it to the replica holders is part of that cost (the keeper reports it at each claim)."""
+    job = f"cost{secrets.token_hex(3)}"
+    objects = {"t": torch.ones(4096)}
+    with Keeper("node0", job, SECRET) as keeper:
+        client = KeeperClient(*keeper.address, SECRET, job)
+        snap = Snapshotter(client, job=job, rank=0, generation=0, secret=SECRET,
+                           policy=SnapshotPolicy(every_steps="auto", overhead_budget=0.03))
+        try:
+            snap.observe_step(0.05)
+            for step in range(1, 5):
+                snap.capture(step, objects)
+                snap.flush()
+            alone = snap.wanted_interval
+            keeper.record_push(0, "node1", 0.2)      # each replica push takes 0.2 s
+            for step in range(5, 10):
+                snap.capture(step, objects)
+                snap.flush()
+            assert client.replication_s == pytest.approx(0.2)
+        finally:
+            snap.close()
+            client.close()
+    assert alone < 20                               # a 16 KiB capture is cheap
+    assert snap.wanted_interval >= 0.2 * 0.5 / (0.03 * 0.05)   # the pushes dominate now
