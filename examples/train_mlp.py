@@ -59,7 +59,11 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
                     time.sleep(sleep_per_step_s)
         seconds = time.perf_counter() - started
         digest = parameter_hash(model)
+        stats = session.snapshot_stats
     print(f"rank {session.rank} trained {steps} steps in {seconds:.3f} s", flush=True)
+    if stats is not None:
+        print(f"rank {session.rank} snapshots {stats.captures} interval {stats.interval} "
+              f"last stall {stats.last_stall_s * 1e3:.2f} ms", flush=True)
     print(f"rank {session.rank} final parameter hash {digest}", flush=True)
     return {"hash": digest, "steps": steps, "loss": float(loss.detach()), "seconds": seconds}
 

@@ -99,14 +99,26 @@ class Collective:
     def all_reduce(self, tensor: torch.Tensor, should_abort: Callable[[], bool]) -> torch.Tensor:
         """Sum ``tensor`` in place; raises ``CollectiveAborted`` on a peer failure or when
         ``should_abort()`` turns true while waiting."""
+        return self.wait(self.start_all_reduce(tensor), tensor, should_abort)
+
+    def start_all_reduce(self, tensor: torch.Tensor) -> Any:
+        """Begin summing ``tensor`` in place; ``wait`` for the returned work (None in a
+        one-rank job) before reading it. Every rank must start it at the same point."""
         if self._group is None:
             if self._world_size == 1:
-                return tensor
+                return None
             raise CollectiveAborted("no process group in this generation yet")
         try:
-            work = self._group.allreduce([tensor])
+            return self._group.allreduce([tensor])
         except RuntimeError as exc:
             raise CollectiveAborted(f"all_reduce could not start: {exc}") from None
+
+    @staticmethod
+    def wait(work: Any, tensor: torch.Tensor, should_abort: Callable[[], bool]) -> torch.Tensor:
+        """``tensor`` once ``work`` completed; raises ``CollectiveAborted`` like
+        ``all_reduce``."""
+        if work is None:
+            return tensor
         pause = 0.00002
         while not work.is_completed():
             if should_abort():

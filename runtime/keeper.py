@@ -212,9 +212,12 @@ class Keeper:
         log.debug("keeper.preempted node=%s rank=%d step=%d readers=%d", self.node, held.rank,
                   held.step, len(callbacks))
 
-    def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int) -> None:
+    def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int, *,
+                notify: bool = True) -> None:
         """Record that claimed ``slot`` now holds ``rank``'s snapshot of ``step``
-        (``nbytes`` payload bytes). A ready slot with the same step is superseded."""
+        (``nbytes`` payload bytes). A ready slot with the same step is superseded. With
+        ``notify=False`` the caller calls ``notify_published`` itself (the wire handler
+        does, once its reply is sent: a woken sender must not delay the worker's reply)."""
         with self._cond:
             table = self._table(rank)
             if not 0 <= slot < len(table.slots) or table.slots[slot].state != "writing":
@@ -232,12 +235,8 @@ class Keeper:
                 self._doom(old)
             table.retired = []
             self._cond.notify_all()
-            listeners = list(self._publish_listeners)
-        for listener in listeners:
-            try:
-                listener()
-            except Exception:  # a listener's bug must not fail the worker's publish
-                log.exception("keeper.publish_listener_failed node=%s", self.node)
+        if notify:
+            self.notify_published()
         log.debug("keeper.published node=%s rank=%d step=%d slot=%d nbytes=%d",
                   self.node, rank, step, slot, nbytes)
 
@@ -426,6 +425,15 @@ class Keeper:
         """Call ``callback()`` (it must not block) after every publish of a local rank."""
         with self._cond:
             self._publish_listeners.append(callback)
+
+    def notify_published(self) -> None:
+        with self._cond:
+            listeners = list(self._publish_listeners)
+        for listener in listeners:
+            try:
+                listener()
+            except Exception:  # a listener's bug must not fail the worker's publish
+                log.exception("keeper.publish_listener_failed node=%s", self.node)
 
     def remove_publish_listener(self, callback: Callable[[], None]) -> None:
         with self._cond:

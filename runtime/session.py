@@ -107,6 +107,7 @@ class Session:
         self._first_step_at = 0.0
         self._awaiting_first_step = False
         self._started = False
+        self._agreement: tuple[Any, torch.Tensor] | None = None   # see _agree_interval
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Session":
@@ -286,15 +287,33 @@ class Session:
         """``every_steps: auto`` in a multi-rank job: at each snapshot step (the same on
         every rank, by induction from step 0 and from every restore step) the ranks take
         the largest interval any of them wants, in one all_reduce of world_size integers on
-        the session's own group, so every rank snapshots the same steps."""
-        wanted = torch.zeros(self.world_size, dtype=torch.int64)
-        wanted[self.rank] = snapshotter.wanted_interval
+        the session's own group, so every rank snapshots the same steps. The all_reduce
+        started at one snapshot step is collected at the next (long done by then, so no
+        rank waits for a slower one); its interval applies from there on every rank."""
+        pending, self._agreement = self._agreement, None
         try:
-            self.all_reduce(wanted)
+            if pending is not None:
+                work, agreed = pending
+                self._wait_reduce(work, agreed)
+                snapshotter.agree_interval(int(agreed.max()))
+            wanted = torch.zeros(self.world_size, dtype=torch.int64)
+            wanted[self.rank] = snapshotter.wanted_interval
+            self._agreement = (self._start_reduce(wanted), wanted)
         except CollectiveAborted as exc:
             self._recover(str(exc))
-            return
-        snapshotter.agree_interval(int(wanted.max()))
+
+    def _start_reduce(self, tensor: torch.Tensor) -> Any:
+        if self._collective is None:      # standalone (or a test's reducer): at once
+            self.all_reduce(tensor)
+            return None
+        return self._collective.start_all_reduce(tensor)
+
+    def _wait_reduce(self, work: Any, tensor: torch.Tensor) -> torch.Tensor:
+        if work is None or self._collective is None:
+            return tensor
+        watcher, generation = self._watcher, self.generation
+        return self._collective.wait(
+            work, tensor, lambda: watcher is not None and watcher.newer_than(generation))
 
     def _superseded(self, generation: int) -> Callable[[], bool]:
         watcher = self._watcher
@@ -347,6 +366,7 @@ class Session:
         restore_rank(self._objects, ctx.rank, step, sources, job=ctx.job, secret=ctx.secret,
                      timeout_s=ctx.group_timeout_s, generation=generation, local_node=ctx.node)
         self.generation = generation
+        self._agreement = None          # started in the old generation's group: dropped
         if self._snapshotter is not None:
             self._snapshotter.set_generation(generation)
             self._snapshotter.rewind(step)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.snapshotter import (AUTO_MAX_INTERVAL, SnapshotPolicy, Snapshotter,
+from runtime.snapshotter import (AUTO_MAX_INTERVAL, UNSEEN_COST, SnapshotPolicy, Snapshotter,
                                  _IntervalController)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -41,12 +41,13 @@ def test_auto_snapshots_every_step_until_both_times_are_measured() -> None:
     assert control.interval == 1                 # no step time measured yet
 
 
+# the measured cost is planned with UNSEEN_COST (1.5) on top: what the worker cannot see
 @pytest.mark.parametrize("step_s, cost_s, budget, want", [
-    (1.0, 0.01, 0.03, 1),        # cheap: 1% of a step fits a 3% budget every step
-    (1.0, 0.03, 0.03, 1),        # exactly the budget
-    (1.0, 0.031, 0.03, 2),       # just over: every other step
-    (0.1, 0.5, 0.03, 167),       # expensive: 0.5 s / (0.03 * 0.1 s) = 166.7 -> 167
-    (0.2, 0.05, 0.10, 3),        # a looser budget: 0.05 / 0.02 = 2.5 -> 3
+    (1.0, 0.01, 0.03, 1),        # cheap: 1.5% of a step fits a 3% budget every step
+    (1.0, 0.02, 0.03, 1),        # exactly the budget (0.02 * 1.5 = 0.03)
+    (1.0, 0.021, 0.03, 2),       # just over: every other step
+    (0.1, 0.5, 0.03, 250),       # expensive: 0.75 s / (0.03 * 0.1 s) = 250
+    (0.2, 0.05, 0.10, 4),        # a looser budget: 0.075 / 0.02 = 3.75 -> 4
 ])
 def test_auto_picks_the_most_frequent_interval_within_budget(step_s: float, cost_s: float,
                                                              budget: float, want: int) -> None:
@@ -65,6 +66,7 @@ def test_auto_respects_the_budget_and_its_bounds(step_s: float, cost_s: float,
                                                  budget: float) -> None:
     interval = auto(step_s, cost_s, budget).interval
     assert isinstance(interval, int) and 1 <= interval <= AUTO_MAX_INTERVAL
+    cost_s *= UNSEEN_COST
     overhead = cost_s / (interval * step_s)
     if interval < AUTO_MAX_INTERVAL:             # uncapped: within budget (float rounding aside)
         assert overhead <= budget * (1 + 1e-9)
@@ -76,13 +78,13 @@ def test_auto_respects_the_budget_and_its_bounds(step_s: float, cost_s: float,
 
 def test_auto_follows_changing_costs_through_its_averages() -> None:
     control = auto(0.1, 0.5)
-    assert control.interval == 167
+    assert control.interval == 250
     for _ in range(60):                          # snapshots got cheap (smaller state)
-        control.observe_cost(0.002)
+        control.observe_cost(0.0015)
     assert control.interval == 1
     for _ in range(80):                          # steps got much faster
         control.observe_step(0.001)
-    assert control.interval == math.ceil(0.002 / (0.03 * 0.001)) == 67
+    assert control.interval == math.ceil(0.0015 * UNSEEN_COST / (0.03 * 0.001)) == 75
 
 
 def test_snapshotter_due_counts_from_the_last_capture() -> None:
@@ -91,7 +93,7 @@ def test_snapshotter_due_counts_from_the_last_capture() -> None:
                               policy=SnapshotPolicy("auto", 0.03), checksum_workers=1)
     try:
         snapshotter.observe_step(0.1)
-        snapshotter._control.observe_cost(0.012)          # 0.012 / (0.03 * 0.1) = 4
+        snapshotter._control.observe_cost(0.008)          # 0.008 * 1.5 / (0.03 * 0.1) = 4
         snapshotter.rewind(10)
         assert [s for s in range(10, 20) if snapshotter.due(s)] == list(range(14, 20))
     finally:
