@@ -6,7 +6,7 @@
    default settings (``snapshot.every_steps: auto``) vs snapshots off, both launched with
    ``phalanx launch`` (world 2 on 2 virtual nodes), target <= 3%.
 
-``python bench/replication.py [--quick] [--repeats 5] [--out bench/results]``; prints a
+``python bench/replication.py [--quick] [--repeats 3] [--steps 1600] [--out bench/results]``; prints a
 markdown table and writes ``replication.json``. Medians over the repeats (overheads: of the
 per-repeat overheads, see ``overhead``).
 """
@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="16 MiB, 1 repeat, 100 steps")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=1600,
+                        help="steps per launch (long runs average out start-up noise)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args(argv)
     mib, repeats, steps = (16, 1, 100) if args.quick else (256, args.repeats, args.steps)
