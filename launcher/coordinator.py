@@ -203,12 +203,14 @@ class RecoveryCoordinator:
             self.pool.refill(sorted(self.live_nodes), at_least=needed)
 
     def fresh(self, faults: Sequence[FaultReport]) -> list[FaultReport]:
-        """``faults`` less those a parked recovery already waits on (a dead worker is
-        observed again at every poll until its rank is placed)."""
+        """``faults`` less those a parked recovery already covers: a dead worker is observed
+        again at every poll until its rank is placed, and later as a lost lease too."""
         if self.waiting is None:
             return list(faults)
-        known = {(f.kind, f.ranks, f.node) for f in self.waiting.faults}
-        return [f for f in faults if (f.kind, f.ranks, f.node) not in known]
+        ranks = {rank for fault in self.waiting.faults for rank in fault.ranks}
+        nodes = {f.node for f in self.waiting.faults if f.kind is FaultKind.NODE_DIED}
+        return [f for f in faults if not set(f.ranks) <= ranks
+                or (f.kind is FaultKind.NODE_DIED and f.node not in nodes)]
 
     def retry(self, slots: dict[int, RankSlot]) -> None:
         """Called every poll: plan a parked recovery again once a spare is warm; past the

@@ -52,7 +52,8 @@ def test_no_spare_parks_the_recovery_then_fails_at_the_deadline(tmp_path: Path) 
     coord.recover([died], slots)
     assert coord.phases.phase is Phase.DEGRADED and coord.waiting is not None
     seen_again = FaultReport(FaultKind.WORKER_DIED, (1,), "node1", clock() + 1, "again")
-    assert coord.fresh([seen_again]) == []
+    its_lease = FaultReport(FaultKind.LEASE_LOST, (1,), "node1", clock() + 3, "lease lapsed")
+    assert coord.fresh([seen_again, its_lease]) == []
     other = FaultReport(FaultKind.WORKER_DIED, (0,), "node0", clock() + 1, "another")
     assert coord.fresh([seen_again, other]) == [other]
     clock.now += 10
