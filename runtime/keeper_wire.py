@@ -136,7 +136,10 @@ def _lend(keeper: _Served, request: Request, rank: int, step: int | None) -> Rep
     source, held = keeper.pin(rank, step)
     lent: dict[int, Any] = request.scope.setdefault("lent", {})
     if "on_close" not in request.scope:
-        request.scope["on_close"] = [lambda: [keeper.unpin(h) for h in lent.values()]]
+        def give_all_back() -> None:
+            for held in lent.values():
+                keeper.unpin(held)
+        request.scope["on_close"] = [give_all_back]
     token = max(lent, default=0) + 1
     lent[token] = held
     return Reply({"token": token, "rank": rank, "step": held.step, "source": source,

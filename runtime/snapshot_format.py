@@ -187,7 +187,7 @@ def write_job(layout: SnapshotLayout, tensors: Mapping[str, torch.Tensor], *,
     """The fused copy + checksums of CPU ``tensors`` into a slot of ``layout``, to be
     ``start_write``-ed once the slot is known (threads may already wait in ``work``)."""
     if any(t.is_cuda for t in tensors.values()):
-        raise ValueError("write_checksummed copies CPU tensors; use write_into for CUDA")
+        raise ValueError("the fused copy takes CPU tensors; use write_into for CUDA")
     algos = dict.fromkeys(layout.entries, check_algo(algo))
     return DigestJob(_spans(layout), algos, tensors)
 

@@ -229,13 +229,13 @@ class Snapshotter:
                        after=marks.add)
             self._cuda_event = marks.close()
             job = landing_job(layout, algo=self._algo, ready=marks.wait)
-            work = _Work(job, [], tensors, (slot, buf), marks)
+            claimed: tuple[int, memoryview] | None = (slot, buf)
         else:  # claim, copy and checksums run on background threads; see wait_for_copy
             self._copied.clear()
             job = write_job(layout, tensors, algo=self._algo)
-            work = _Work(job, [], tensors, None, None)
+            claimed, marks = None, None
         # the helper threads wake while the publishing thread claims the slot (CPU)
-        work.helpers.extend(helpers(job, self._helpers, self._workers))
+        work = _Work(job, helpers(job, self._helpers, self._workers), tensors, claimed, marks)
         stall = time.perf_counter() - started
         # a capture that allocated the slots (page faults, file creation) says nothing about
         # the steady cost the auto interval is for
