@@ -14,10 +14,12 @@ Algorithms (a checksum is ``"<algo>:<hex>"``):
 * ``sha256`` — SHA-256 of the tensor bytes (format version 1 snapshots); one tensor per
   thread.
 
-Measured on the 2-core CI machine (one core: XXH3-128 21-25 GB/s from memory, 73 GB/s on a
-1 MiB leaf in cache; BLAKE3 7 GB/s; SHA-256 2 GB/s). One thread copies 1 MiB chunks at
-6.7 GB/s and copies + hashes them at 5.1 GB/s; on 2 threads the fused loop reaches 76-80% of
-the 2-thread memcpy limit at 256 MiB-1 GiB (``bench/snapshot.py``: 72-77% end to end).
+Measured on the 2-core CI machine (one core: XXH3-128 14-25 GB/s from memory, 43-73 GB/s
+in cache; BLAKE3 6-7 GB/s; SHA-256 2 GB/s). An xxh3 leaf with a source to copy goes through
+the native kernel (``runtime/fused_copy.py``: hash the source hot, stream it to the slot),
+which makes the capture 0.95 of the 2-thread memcpy limit end to end at 64 MiB-1 GiB
+(``bench/snapshot.py``); the pure-Python loop it replaces (copy a leaf with numpy, then
+hash it back) reached 0.70-0.77.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ import blake3
 import numpy as np
 import torch
 import xxhash
+
+from runtime import fused_copy
 
 ALGOS = ("xxh3", "blake3", "sha256")
 DEFAULT_ALGO = "xxh3"
@@ -62,9 +66,6 @@ def check_algo(algo: str) -> str:
     return algo
 
 
-_Copy = Callable[[int, int], None]     # copies payload bytes [begin, end) into the buffer
-
-
 def _units(spans: Sequence[Span], algos: Mapping[str, str]) -> list[_Unit]:
     """The work, in the order threads take it: largest first (whole-tensor units of
     blake3/sha256 balance that way), payload order among equals (xxh3's full leaves)."""
@@ -78,19 +79,47 @@ def _units(spans: Sequence[Span], algos: Mapping[str, str]) -> list[_Unit]:
     return sorted(out, key=lambda u: (u.begin - u.end, u.begin))
 
 
-def _hash_unit(dst: memoryview, unit: _Unit, algo: str, copy: _Copy | None) -> bytes:
-    """Digest of one unit (a leaf digest for xxh3), copying it chunk by chunk first."""
+class _Source(NamedTuple):
+    """A CPU tensor's bytes to copy into the payload, from payload offset ``base`` on."""
+
+    array: np.ndarray          # the tensor's bytes (uint8, contiguous)
+    base: int
+
+    @property
+    def address(self) -> int:
+        return self.array.ctypes.data
+
+
+class _Target(NamedTuple):
+    """The payload being filled and hashed."""
+
+    view: memoryview
+    array: np.ndarray          # the same bytes, for numpy copies
+    address: int
+
+
+def _hash_unit(dst: _Target, unit: _Unit, algo: str, src: _Source | None) -> bytes:
+    """Digest of one unit (a leaf digest for xxh3), copying it from ``src`` first."""
     if algo == "xxh3":
-        if copy is not None:
-            copy(unit.begin, unit.end)
-        return xxhash.xxh3_128_digest(dst[unit.begin:unit.end])
+        if src is None:
+            return xxhash.xxh3_128_digest(dst.view[unit.begin:unit.end])
+        native = fused_copy.kernel()
+        if native is not None:
+            return native.copy_digest(dst.address + unit.begin,
+                                      src.address + unit.begin - src.base, unit.end - unit.begin)
+        _copy(dst, src, unit.begin, unit.end)
+        return xxhash.xxh3_128_digest(dst.view[unit.begin:unit.end])
     h = blake3.blake3() if algo == "blake3" else hashlib.sha256()
     for begin in range(unit.begin, unit.end, LEAF_BYTES):
         end = min(unit.end, begin + LEAF_BYTES)
-        if copy is not None:
-            copy(begin, end)
-        h.update(dst[begin:end])
+        if src is not None:
+            _copy(dst, src, begin, end)
+        h.update(dst.view[begin:end])
     return h.digest()
+
+
+def _copy(dst: _Target, src: _Source, begin: int, end: int) -> None:
+    np.copyto(dst.array[begin:end], src.array[begin - src.base:end - src.base])
 
 
 class DigestJob:
@@ -114,8 +143,8 @@ class DigestJob:
         self._units: list[_Unit] = []      # planned by ``start``, off the caller's thread
         self._next = itertools.count()
         self._gate = threading.Event()
-        self._dst: memoryview | None = None
-        self._copies: dict[str, _Copy] = {}
+        self._dst: _Target | None = None
+        self._sources: dict[str, _Source] = {}
         self._digests: dict[tuple[str, int], bytes] = {}
 
     def start(self, buf: Any) -> None:
@@ -127,10 +156,11 @@ class DigestJob:
         if self._tensors is not None:
             if dst.readonly:
                 raise ValueError("snapshot buffer is read-only")
-            dst_np = np.frombuffer(dst, dtype=np.uint8)
-            self._copies = {span.name: _copier(dst_np, span, self._tensors[span.name])
-                            for span in self._spans}
-        self._dst = dst
+            self._sources = {span.name: _Source(_as_bytes(self._tensors[span.name]),
+                                                span.begin) for span in self._spans}
+            fused_copy.kernel()           # built or found before the threads need it
+        array = np.frombuffer(dst, dtype=np.uint8)
+        self._dst = _Target(dst, array, array.ctypes.data if len(dst) else 0)
         self._gate.set()
 
     def cancel(self) -> None:
@@ -148,7 +178,7 @@ class DigestJob:
             if self._ready is not None:
                 self._ready(u.name)
             done[u.name, u.leaf] = _hash_unit(dst, u, self._algos[u.name],
-                                              self._copies.get(u.name))
+                                              self._sources.get(u.name))
         self._digests.update(done)
 
     def result(self) -> dict[str, str]:
@@ -189,14 +219,6 @@ def digest_spans(buf: Any, spans: Sequence[Span], algos: Mapping[str, str], *,
     job = DigestJob(spans, algos)
     job.start(buf)
     return finish(job, helpers(job, pool, workers))
-
-
-def _copier(dst_np: np.ndarray, span: Span, tensor: torch.Tensor) -> _Copy:
-    src, base = _as_bytes(tensor), span.begin
-
-    def copy(begin: int, end: int) -> None:
-        np.copyto(dst_np[begin:end], src[begin - base:end - base])
-    return copy
 
 
 def byte_view(buf: Any) -> memoryview:

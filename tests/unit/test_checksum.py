@@ -3,6 +3,8 @@ copy-and-checksum against a plain copy followed by hashing."""
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +14,7 @@ import torch
 import xxhash
 from hypothesis import given, settings, strategies as st
 
+from runtime import fused_copy
 from runtime.checksum import (LEAF_BYTES, DigestJob, Span, _units, check_algo, digest_spans, finish,
                              helpers)
 from runtime.snapshot_format import (checksums, landing_job, plan_layout, start_write,
@@ -57,9 +60,22 @@ def state() -> dict[str, torch.Tensor]:
             "mask": torch.rand(1000, generator=gen) > 0.5}
 
 
+@pytest.fixture(params=["native", "python"])
+def copier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The fused copy's two paths: the native kernel (runtime/fused_copy.c) and the
+    pure-Python loop that replaces it where no C compiler is available."""
+    if request.param == "python":
+        monkeypatch.setattr(fused_copy, "kernel", lambda: None)
+    elif shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler here: the native kernel cannot be built")
+    else:
+        assert fused_copy.kernel() is not None, "a C compiler is here but the kernel failed"
+    return request.param
+
+
 @pytest.mark.parametrize("algo", ["xxh3", "blake3", "sha256"])
 @pytest.mark.parametrize("workers", [1, 2, 4])
-def test_fused_copy_equals_copy_then_hash(algo: str, workers: int) -> None:
+def test_fused_copy_equals_copy_then_hash(algo: str, workers: int, copier: str) -> None:
     tensors = state()
     layout = plan_layout(tensors)
     plain, fused = bytearray(layout.total_bytes), bytearray(layout.total_bytes)
