@@ -7,6 +7,7 @@ the sha256 of the concatenated final parameters.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 import torch
@@ -36,7 +37,10 @@ def parameter_hash(model: nn.Module) -> str:
 
 
 def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.05,
-         seed: int = 0, sleep_per_step_s: float = 0.0) -> dict:
+         seed: int = 0, sleep_per_step_s: float = 0.0, step_log: str = "") -> dict:
+    """``step_log``: a path prefix; each rank then writes ``<prefix>.rank<r>.json`` with
+    every step's wall time (snapshot capture included) and the steps a capture ended
+    (``bench/replication.py`` reads it)."""
     session = phalanx.Session()
     model = make_model(hidden, seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -44,7 +48,9 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
     session.register(model=model, optimizer=optimizer, scheduler=scheduler)
     with session:
         started = time.perf_counter()
+        log: dict[str, list] = {"step_s": [], "captured": []}
         while session.step_index < steps:
+            step_started = time.perf_counter()
             with session.step() as step:
                 x, y = batch(seed, session.rank, step, batch_size)
                 optimizer.zero_grad(set_to_none=False)
@@ -57,14 +63,22 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
                 scheduler.step()
                 if sleep_per_step_s:
                     time.sleep(sleep_per_step_s)
+            log["step_s"].append(time.perf_counter() - step_started)
+            stats = session.snapshot_stats
+            if stats is not None and stats.last_capture_step == session.step_index:
+                log["captured"].append(len(log["step_s"]) - 1)
         seconds = time.perf_counter() - started
         digest = parameter_hash(model)
-        stats = session.snapshot_stats
+        stats, committed = session.snapshot_stats, session.committed_step
     print(f"rank {session.rank} trained {steps} steps in {seconds:.3f} s", flush=True)
     if stats is not None:
         print(f"rank {session.rank} snapshots {stats.captures} interval {stats.interval} "
-              f"last stall {stats.last_stall_s * 1e3:.2f} ms", flush=True)
+              f"last stall {stats.last_stall_s * 1e3:.2f} ms committed step "
+              f"{committed}", flush=True)
     print(f"rank {session.rank} final parameter hash {digest}", flush=True)
+    if step_log:
+        with open(f"{step_log}.rank{session.rank}.json", "w") as out:
+            json.dump(log, out)
     return {"hash": digest, "steps": steps, "loss": float(loss.detach()), "seconds": seconds}
 
 

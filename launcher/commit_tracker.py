@@ -3,17 +3,15 @@
 seconds when it moved), never per step per rank."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 
 from configs.errors import MembershipUnavailable
 from runtime.base import Membership
-from runtime.commit import KeeperReport, committed_step
+from runtime.commit import COMMIT_KEY, KeeperReport, commit_value, committed_step
 from runtime.keeper_reporter import KEEPERS
 
 log = logging.getLogger(__name__)
-COMMIT_KEY = "commit"
 
 
 def read_reports(membership: Membership) -> dict[str, KeeperReport]:
@@ -51,7 +49,6 @@ class CommitTracker:
         due = self.committed >= self._written + self._every_steps or (
             self.committed > self._written and now - self._written_at >= self._every_s)
         if due:
-            self._membership.put(COMMIT_KEY, json.dumps(
-                {"step": self.committed, "time": time.time()}).encode())
+            self._membership.put(COMMIT_KEY, commit_value(self.committed, time.time()))
             self._written, self._written_at = self.committed, now
         return self.committed

@@ -72,7 +72,8 @@ class KeeperActor:
         self._membership.connect(retry_for_s=60)
         self._reporter = KeeperReporter(
             self._membership, node, self._report, cfg.etcd.heartbeat_s, cfg.etcd.lease_ttl_s,
-            keeper_member(node, self._keeper.address, os.getpid())).start()
+            keeper_member(node, self._keeper.address, os.getpid()),
+            on_commit=self._keeper.note_committed).start()
         tiers = tier_specs(cfg, run_dir)
         self._persister = None
         if tiers and local_ranks:

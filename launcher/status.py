@@ -11,10 +11,10 @@ from rich.console import Console
 from rich.table import Table
 
 from configs.errors import MembershipUnavailable
-from launcher.commit_tracker import COMMIT_KEY, read_reports
+from launcher.commit_tracker import read_reports
 from launcher.events import EVENTS_PREFIX
 from launcher.rundir import RunDir
-from runtime.commit import KeeperReport
+from runtime.commit import COMMIT_KEY, KeeperReport, committed_from
 from runtime.membership_etcd import EtcdMembership, job_prefix
 
 EVENTS_SHOWN = 10
@@ -39,7 +39,7 @@ def show_status(run: RunDir, console: Console, timeout_s: float = 3.0) -> int:
         events = [json.loads(kv.value) for kv in membership.list_prefix(EVENTS_PREFIX)]
     finally:
         membership.close()
-    committed = json.loads(commit.value)["step"] if commit else -1
+    committed = committed_from(commit.value if commit else None)
     console.print(f"job {info['job']}  generation {int(generation.value) if generation else 0}"
                   f"  committed step {committed}  run {run.path.name}")
     console.print(_members_table(members))

@@ -1,11 +1,33 @@
 """The global commit point: step s is committed when every rank's snapshot of s is held by
 at least f+1 keepers (its own and f replica holders). Pure: computed from the keepers'
-reports, which each keeper publishes as one leased key per node (``keepers/<node>``)."""
+reports, which each keeper publishes as one leased key per node (``keepers/<node>``).
+The launcher writes the result to ``commit`` (``COMMIT_KEY``) at most every few steps or
+seconds; each keeper reads it at its heartbeat and hands it to its workers with every slot
+claim, so every worker knows the committed step without any per-step etcd write."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
+
+
+COMMIT_KEY = "commit"
+
+
+def commit_value(step: int, now: float) -> bytes:
+    """What ``COMMIT_KEY`` holds: the committed step and when it was written."""
+    return json.dumps({"step": step, "time": now}).encode()
+
+
+def committed_from(value: bytes | None) -> int:
+    """The step in a ``COMMIT_KEY`` value; -1 when absent or unreadable."""
+    if not value:
+        return -1
+    try:
+        step = json.loads(value).get("step")
+    except (ValueError, AttributeError):
+        return -1
+    return step if type(step) is int and step >= 0 else -1
 
 
 @dataclass(frozen=True)

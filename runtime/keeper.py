@@ -62,6 +62,7 @@ class Keeper:
         self._seq = itertools.count()
         self._closed = False
         self._push_s: dict[tuple[int, str], float] = {}     # (rank, holder) -> last push
+        self._committed = -1              # the job's committed step, as last read from etcd
         self._publish_listeners: list[Callable[[], None]] = []
         self.tensor_index = TensorIndex()  # held tensors by checksum, for replica dedup
         self._server = FrameServer(bind_host, port, secret=secret, job=job, handler=self._handle,
@@ -450,6 +451,16 @@ class Keeper:
         a snapshot costs the machine beyond its capture (``snapshot.every_steps: auto``)."""
         with self._cond:
             return sum(s for (r, _), s in self._push_s.items() if r == rank)
+
+    def note_committed(self, step: int) -> None:
+        """The job's committed step (read from etcd by the reporter); it only moves on."""
+        with self._cond:
+            self._committed = max(self._committed, step)
+
+    def committed_step(self) -> int:
+        """The newest committed step this keeper has heard of; -1 before the first."""
+        with self._cond:
+            return self._committed
 
     def holdings(self) -> dict[int, dict[str, Any]]:
         """Per rank: ready local steps, replica steps, and whether a slot is being written."""

@@ -1,6 +1,7 @@
 """Publishes what a node keeper holds as one leased etcd key per node (``keepers/<node>``),
-refreshed at the heartbeat: the keeper's liveness and the input of the global commit. etcd
-load grows with nodes, never with steps x ranks."""
+refreshed at the heartbeat: the keeper's liveness and the input of the global commit. At
+the same heartbeat it reads the global commit back (``commit``) for the keeper's workers.
+etcd load grows with nodes, never with steps x ranks."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,7 @@ from typing import Any, Callable
 
 from configs.errors import LeaseLost, MembershipUnavailable
 from runtime.base import MemberRecord, Membership
-from runtime.commit import KeeperReport
+from runtime.commit import COMMIT_KEY, KeeperReport, committed_from
 
 log = logging.getLogger(__name__)
 KEEPERS = "keepers/"
@@ -25,12 +26,15 @@ def keeper_member(node: str, address: tuple[str, int], pid: int) -> MemberRecord
 class KeeperReporter:
     """Owns one thread that writes ``keepers/<node>`` every ``heartbeat_s`` when it changed.
 
-    ``snapshot`` builds the current report (called on the reporter thread).
+    ``snapshot`` builds the current report and ``on_commit`` takes the committed step read
+    back (both called on the reporter thread).
     """
 
     def __init__(self, membership: Membership, node: str, snapshot: Callable[[], KeeperReport],
-                 heartbeat_s: float, ttl_s: float, member: MemberRecord) -> None:
+                 heartbeat_s: float, ttl_s: float, member: MemberRecord,
+                 on_commit: Callable[[int], None] | None = None) -> None:
         self._membership = membership
+        self._on_commit = on_commit
         self._node = node
         self._snapshot = snapshot
         self._heartbeat_s = heartbeat_s
@@ -69,6 +73,9 @@ class KeeperReporter:
         if data != self._last:
             self._membership.put_leased(KEEPERS + self._node, data)
             self._last = data
+        if self._on_commit is not None:
+            commit = self._membership.get(COMMIT_KEY)
+            self._on_commit(committed_from(commit.value if commit else None))
 
 
 def report_from_keeper(node: str, address: tuple[str, int], holdings: dict[int, dict[str, Any]],

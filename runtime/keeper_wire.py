@@ -43,6 +43,7 @@ class _Served(Protocol):
     def alloc(self, rank: int, nbytes: int) -> list[str]: ...
     def claim(self, rank: int, protect_step: int | None = None) -> tuple[int, str]: ...
     def replication_cost(self, rank: int) -> float: ...
+    def committed_step(self) -> int: ...
     def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int, *,
                 notify: bool = True) -> None: ...
     def notify_published(self) -> None: ...
@@ -70,7 +71,8 @@ def handle(keeper: _Served, request: Request) -> Reply:
             rank = _int(h, "rank")
             slot, path = keeper.claim(rank, _int(h, "protect_step", None))
             return Reply({"slot": slot, "path": path,
-                          "replication_s": keeper.replication_cost(rank)})
+                          "replication_s": keeper.replication_cost(rank),
+                          "committed": keeper.committed_step()})
         case "publish":
             manifest = _manifest(request, request.payload.nbytes)
             keeper.publish(_int(h, "rank"), _int(h, "step"), _int(h, "slot"), manifest,
@@ -179,8 +181,9 @@ class KeeperClient:
                                    generation=generation)
         self._timeout_s = timeout_s
         # what the keeper said at the last claim: seconds its replicator spent pushing the
-        # claimed rank's previous snapshot to every holder
+        # claimed rank's previous snapshot to every holder, and the job's committed step
         self.replication_s = 0.0
+        self.committed = -1
 
     @property
     def address(self) -> str:
@@ -208,6 +211,8 @@ class KeeperClient:
         reply = self._call({"op": "claim", "rank": rank, "protect_step": protect_step},
                            reply_timeout_s=2 * self._timeout_s)
         self.replication_s = float(reply.get("replication_s", 0.0))
+        committed = reply.get("committed", -1)
+        self.committed = max(self.committed, committed if type(committed) is int else -1)
         return reply["slot"], reply["path"]
 
     def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int) -> None:

@@ -224,6 +224,15 @@ class Session:
         return None if self._collective is None else self._collective.group
 
     @property
+    def committed_step(self) -> int:
+        """The newest step committed job-wide (every rank's snapshot of it held by
+        ``replication.factor + 1`` keepers) that this worker has heard of: its keeper passes
+        it on at every snapshot, so it lags by up to a snapshot interval plus a heartbeat.
+        -1 before the first commit, or without snapshots."""
+        stats = self.snapshot_stats
+        return -1 if stats is None else stats.committed_step
+
+    @property
     def snapshot_stats(self) -> Any:
         """Counters of the snapshotter (captures, last stall, interval), or None."""
         return None if self._snapshotter is None else self._snapshotter.stats

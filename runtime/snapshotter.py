@@ -32,10 +32,16 @@ log = logging.getLogger(__name__)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 AUTO_MAX_INTERVAL = 1000
 # A planning margin for what a snapshot costs the training loop beyond what the worker
-# measures (the holder keeper's CPU after its ack, commit bookkeeping, caches the copies
-# evict, thread wake-ups): on the 2-core CI machine, `auto` planning the measured cost at
-# the 3% budget slowed 1600-step runs with replication by 3.6-5.9%, about 1.5x the budget.
+# measures (effects that outlast the steps after a capture, caches the copies evict): on
+# the 2-core CI machine, `auto` planning the measured cost at the 3% budget slowed 1600-step
+# runs with replication by 3.6-5.9%, about 1.5x the budget.
 UNSEEN_COST = 1.5
+# Steps after a capture whose time counts as the snapshot's cost: the background publish,
+# the keepers' and the holders' work land there. Measured on the 2-core CI machine with the
+# example MLP (8.5 ms steps): the next step took 6-9 ms longer, the one after 1-3 ms, the
+# ones after that no longer than any step; for a 64 KiB state the snapshot's threads (stall
+# + background publish + replica pushes) measured only half of that.
+AFTER_STEPS = 2
 MARK_BYTES = 64 << 20            # CUDA copies between two checksum-ready events
 
 
@@ -98,8 +104,10 @@ class _Work(NamedTuple):
 
 @dataclass
 class SnapshotStats:
-    captures: int = 0
-    last_step: int = -1
+    captures: int = 0              # published, counted by the publishing thread
+    last_step: int = -1            # the step last published
+    last_capture_step: int = -1    # the step last captured (the training thread's view)
+    committed_step: int = -1       # the job's committed step, as the keeper said at a claim
     last_stall_s: float = 0.0
     last_background_s: float = 0.0
     interval: int = 1
@@ -108,33 +116,68 @@ class SnapshotStats:
 
 class _IntervalController:
     """Picks the snapshot interval: fixed, or ``auto`` — the most frequent interval whose
-    measured cost (training stall, background work, the keeper's replica pushes) times
-    ``UNSEEN_COST`` stays within the overhead budget."""
+    cost per snapshot times ``UNSEEN_COST`` stays within the overhead budget of the time of
+    a step no snapshot touched. A snapshot's cost is the larger of what its threads took
+    (training stall + background publish + the keeper's replica pushes: ``observe_work``)
+    and what the loop felt (the stall + how much longer than a plain step the
+    ``AFTER_STEPS`` steps after the capture took: ``observe_capture`` then
+    ``observe_step``). Only the training thread calls ``observe_capture``/``observe_step``.
+    """
 
     def __init__(self, policy: SnapshotPolicy) -> None:
         self._fixed = policy.every_steps if isinstance(policy.every_steps, int) else None
         self._budget = policy.overhead_budget
-        self._step_s = 0.0
-        self._cost_s = 0.0
+        self._step_s = 0.0          # any step (until steps free of snapshots are measured)
+        self._plain_s = 0.0         # steps outside the windows after captures
+        self._work_s = 0.0
+        self._felt_s = 0.0
+        self._stall_s = 0.0
+        self._window: list[float] | None = None   # times of the steps after the last capture
 
     def observe_step(self, seconds: float) -> None:
-        self._step_s = seconds if self._step_s == 0 else 0.8 * self._step_s + 0.2 * seconds
+        self._step_s = _average(self._step_s, seconds, 0.2)
+        window = self._window
+        if window is None:
+            self._plain_s = _average(self._plain_s, seconds, 0.2)
+            return
+        window.append(seconds)
+        if len(window) == AFTER_STEPS:
+            self._window = None
+            if self._plain_s > 0:
+                felt = self._stall_s + sum(window) - AFTER_STEPS * self._plain_s
+                self._felt_s = _average(self._felt_s, max(0.0, felt), 0.3)
 
-    def observe_cost(self, seconds: float) -> None:
-        self._cost_s = seconds if self._cost_s == 0 else 0.7 * self._cost_s + 0.3 * seconds
+    def observe_capture(self, stall: float | None) -> None:
+        """A capture stalled the loop ``stall`` seconds (None: a first capture, which
+        allocated the slots and says nothing about the steady cost)."""
+        self._window = None if stall is None else []
+        self._stall_s = stall or 0.0
+
+    def observe_work(self, seconds: float) -> None:
+        self._work_s = _average(self._work_s, seconds, 0.3)
 
     @property
     def auto(self) -> bool:
         return self._fixed is None
 
     @property
+    def cost_s(self) -> float:
+        return max(self._work_s, self._felt_s)
+
+    @property
     def interval(self) -> int:
         if self._fixed is not None:
             return self._fixed
-        if self._step_s <= 0 or self._cost_s <= 0:
+        step_s = self._plain_s or self._step_s
+        if step_s <= 0 or self.cost_s <= 0:
             return 1
-        wanted = math.ceil(self._cost_s * UNSEEN_COST / (self._budget * self._step_s))
+        wanted = math.ceil(self.cost_s * UNSEEN_COST / (self._budget * step_s))
         return max(1, min(AUTO_MAX_INTERVAL, wanted))
+
+
+def _average(mean: float, sample: float, weight: float) -> float:
+    """An exponential moving average, which a first sample (mean 0) starts."""
+    return sample if mean == 0 else (1 - weight) * mean + weight * sample
 
 
 class Snapshotter:
@@ -241,7 +284,8 @@ class Snapshotter:
         # the steady cost the auto interval is for
         self._pending = self._pool.submit(self._publish, step, layout, spec, work,
                                           None if fresh else stall)
-        self._last_capture_step = step
+        self._control.observe_capture(None if fresh else stall)
+        self._last_capture_step = self.stats.last_capture_step = step
         self.stats.last_stall_s = stall
         return stall
 
@@ -292,6 +336,7 @@ class Snapshotter:
 
     def _claim(self, layout: SnapshotLayout) -> tuple[int, memoryview]:
         slot, path = self._client.claim(self._rank)
+        self.stats.committed_step = self._client.committed
         return slot, memoryview(self._maps[path])[:layout.total_bytes]
 
     def _publish(self, step: int, layout: SnapshotLayout, spec: dict, work: _Work,
@@ -321,7 +366,7 @@ class Snapshotter:
         self._client.publish(self._rank, step, slot, manifest.to_json(), layout.total_bytes)
         background = time.perf_counter() - started
         if stall is not None:   # and the replicas the keeper pushed of the previous snapshot
-            self._control.observe_cost(stall + background + self._client.replication_s)
+            self._control.observe_work(stall + background + self._client.replication_s)
         with self._lock:
             self.stats.captures += 1
             self.stats.last_step = step

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -54,6 +55,25 @@ def test_world_two_is_deterministic_and_matches_reference(tmp_path: Path) -> Non
     assert first.hashes == second.hashes
     torch.set_num_threads(1)
     assert first.hashes[0] == reference_hash(world=2, steps=12)
+
+
+@pytest.mark.timeout(300)
+def test_workers_learn_the_committed_step_from_their_keepers(tmp_path: Path) -> None:
+    """The launcher writes ``commit`` every 5 committed steps; each keeper reads it at its
+    heartbeat and passes it on at every slot claim: no worker touches etcd for it."""
+    result = launch("configs/demo.yaml", "job.world_size=2", "spares.count=0",
+                    "job.args.steps=80", "job.args.sleep_per_step_s=0.04",
+                    "snapshot.every_steps=4", "replication.commit_every_steps=5",
+                    "tiers.disk.enabled=false", run_root=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run_dir = Path(result.stdout.strip().splitlines()[-1].split(": ", 1)[1])
+    logs = "".join(path.read_text() for path in (run_dir / "logs").iterdir())
+    committed = {int(rank): int(step) for rank, step in
+                 re.findall(r"rank (\d+) snapshots .* committed step (-?\d+)", logs)}
+    assert set(committed) == {0, 1}, logs[-2000:]
+    for step in committed.values():
+        # a snapshot step (every 4th), replicated on 2 keepers, heard of before the end
+        assert 0 < step < 80 and step % 4 == 0, committed
 
 
 @pytest.mark.timeout(300)

@@ -1,11 +1,16 @@
 """The global commit point computed from keeper reports (pure)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.commit import KeeperReport, committed_step, holders_of
+from runtime.commit import (COMMIT_KEY, KeeperReport, commit_value, committed_from,
+                            committed_step, holders_of)
+from runtime.keeper_reporter import KeeperReporter, keeper_member
+from runtime.membership_memory import InMemoryMembership, InMemoryStore
 
 pytestmark = pytest.mark.unit
 
@@ -60,3 +65,29 @@ def test_committed_step_is_held_by_enough_keepers(raw, factor) -> None:
 def test_report_json_round_trip() -> None:
     original = report("a", {0: (1, 2)}, {3: (2,)})
     assert KeeperReport.from_json(original.to_json()) == original
+
+
+@pytest.mark.parametrize("value, step", [
+    (commit_value(42, 1.0), 42), (None, -1), (b"", -1), (b"not json", -1), (b"[1]", -1),
+    (b'{"step": "7"}', -1), (b'{"step": -3}', -1), (b'{"step": true}', -1),
+])
+def test_committed_from_reads_only_a_well_formed_commit(value, step) -> None:
+    assert committed_from(value) == step
+
+
+def test_the_reporter_hands_the_commit_it_reads_back_to_its_keeper() -> None:
+    membership = InMemoryMembership(InMemoryStore())
+    heard: list[int] = []
+    reporter = KeeperReporter(membership, "node0", lambda: KeeperReport("node0", ("h", 1)),
+                              heartbeat_s=0.01, ttl_s=1.0,
+                              member=keeper_member("node0", ("h", 1), 1), on_commit=heard.append)
+    reporter.start()
+    try:
+        assert heard == [-1]                     # nothing committed yet
+        membership.put(COMMIT_KEY, commit_value(12, 0.0))
+        deadline = time.monotonic() + 5
+        while 12 not in heard and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 12 in heard
+    finally:
+        reporter.close()

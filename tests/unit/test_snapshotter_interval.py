@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 def auto(step_s: float, cost_s: float, budget: float = 0.03) -> _IntervalController:
     control = _IntervalController(SnapshotPolicy("auto", budget))
     control.observe_step(step_s)
-    control.observe_cost(cost_s)
+    control.observe_work(cost_s)
     return control
 
 
@@ -27,7 +27,7 @@ def test_fixed_interval_ignores_measurements(every: int) -> None:
     control = _IntervalController(SnapshotPolicy(every, 0.03))
     assert control.interval == every
     control.observe_step(0.001)
-    control.observe_cost(10.0)
+    control.observe_work(10.0)
     assert control.interval == every
 
 
@@ -37,7 +37,7 @@ def test_auto_snapshots_every_step_until_both_times_are_measured() -> None:
     control.observe_step(0.001)
     assert control.interval == 1                 # no snapshot cost measured yet
     control = _IntervalController(SnapshotPolicy("auto", 0.03))
-    control.observe_cost(10.0)
+    control.observe_work(10.0)
     assert control.interval == 1                 # no step time measured yet
 
 
@@ -80,7 +80,7 @@ def test_auto_follows_changing_costs_through_its_averages() -> None:
     control = auto(0.1, 0.5)
     assert control.interval == 250
     for _ in range(60):                          # snapshots got cheap (smaller state)
-        control.observe_cost(0.0015)
+        control.observe_work(0.0015)
     assert control.interval == 1
     for _ in range(80):                          # steps got much faster
         control.observe_step(0.001)
@@ -93,8 +93,67 @@ def test_snapshotter_due_counts_from_the_last_capture() -> None:
                               policy=SnapshotPolicy("auto", 0.03), checksum_workers=1)
     try:
         snapshotter.observe_step(0.1)
-        snapshotter._control.observe_cost(0.008)          # 0.008 * 1.5 / (0.03 * 0.1) = 4
+        snapshotter._control.observe_work(0.008)          # 0.008 * 1.5 / (0.03 * 0.1) = 4
         snapshotter.rewind(10)
         assert [s for s in range(10, 20) if snapshotter.due(s)] == list(range(14, 20))
     finally:
         snapshotter.close()
+
+
+def steady(control: _IntervalController, step_s: float, steps: int = 20) -> None:
+    for _ in range(steps):
+        control.observe_step(step_s)
+
+
+def test_auto_plans_with_what_the_steps_after_a_capture_felt() -> None:
+    control = _IntervalController(SnapshotPolicy("auto", 0.03))
+    steady(control, 0.010)
+    control.observe_work(0.002)                  # the snapshot's threads: 2 ms
+    assert control.interval == math.ceil(0.002 * UNSEEN_COST / (0.03 * 0.010))  # ~10
+    control.observe_capture(0.001)               # but the loop felt 1 + 8 + 3 = 12 ms
+    control.observe_step(0.018)
+    control.observe_step(0.013)
+    assert control.cost_s == pytest.approx(0.012)
+    felt = math.ceil(control.cost_s * UNSEEN_COST / (0.03 * 0.010))
+    assert 60 <= felt <= 61 and control.interval == felt
+    steady(control, 0.010)                       # steps outside the window are plain steps
+    assert control.interval == felt
+
+
+def test_the_steps_after_a_capture_do_not_count_as_plain_steps() -> None:
+    control = _IntervalController(SnapshotPolicy("auto", 0.03))
+    steady(control, 0.010)
+    control.observe_work(0.003)
+    for _ in range(30):                          # every capture's window: slow steps
+        control.observe_capture(0.0)
+        control.observe_step(0.030)
+        control.observe_step(0.030)
+        steady(control, 0.010, 3)
+    # the plain step stays 10 ms (an average over all steps would be 18 ms), and the felt
+    # cost is the 40 ms the two slow steps added
+    assert control.cost_s == pytest.approx(0.040)
+    assert 200 <= control.interval <= 201
+
+
+def test_a_window_cut_short_by_the_next_capture_is_not_measured() -> None:
+    control = _IntervalController(SnapshotPolicy("auto", 0.03))
+    steady(control, 0.010)
+    control.observe_work(0.001)
+    for _ in range(10):                          # interval 1: a capture after every step
+        control.observe_capture(0.0)
+        control.observe_step(0.050)
+    assert control.cost_s == pytest.approx(0.001)  # only the threads' work is known
+    control.observe_capture(None)                # a first capture (slot allocation): no window
+    control.observe_step(0.500)
+    control.observe_step(0.500)
+    assert control.cost_s == pytest.approx(0.001)
+
+
+def test_a_faster_than_plain_window_costs_nothing_rather_than_less() -> None:
+    control = _IntervalController(SnapshotPolicy("auto", 0.03))
+    steady(control, 0.010)
+    control.observe_work(0.0005)
+    control.observe_capture(0.0)
+    control.observe_step(0.004)
+    control.observe_step(0.004)
+    assert control.cost_s == pytest.approx(0.0005)
