@@ -29,3 +29,7 @@ def test_the_share_is_the_excess_of_the_windows_over_the_plain_mean() -> None:
 def test_windows_stop_at_the_end_of_the_loop() -> None:
     got = snapshot_share([0.01] * 9 + [0.02], [9], window=8)
     assert got["excess_s"] == pytest.approx(0.02 - 0.01 + 0.0)   # step 0 is plain-timed
+
+
+def test_a_capture_every_step_leaves_nothing_to_compare_with() -> None:
+    assert snapshot_share([0.01] * 10, list(range(10)), window=2)["share"] is None
