@@ -132,6 +132,22 @@ class LocalRay:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
 
+    def keep_logs(self, dest: Path, tail_bytes: int = 1 << 20) -> list[Path]:
+        """Copy the tails of the raylets' and the GCS's logs to ``dest`` (the temp dir with
+        the originals goes at ``close``): why Ray declared a node dead, or a raylet died."""
+        if self._temp_dir is None:
+            return []
+        kept = []
+        for log_file in sorted(self._temp_dir.glob("session_latest/logs/*")):
+            if not log_file.is_file() or not log_file.name.startswith(("raylet", "gcs_server")):
+                continue
+            dest.mkdir(parents=True, exist_ok=True)
+            with log_file.open("rb") as src:
+                src.seek(max(0, log_file.stat().st_size - tail_bytes))
+                (dest / log_file.name).write_bytes(src.read())
+            kept.append(dest / log_file.name)
+        return kept
+
     def __enter__(self) -> "LocalRay":
         return self.start()
 

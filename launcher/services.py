@@ -6,6 +6,8 @@ import contextlib
 import datetime
 import logging
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import ray
 import torch.distributed as dist
@@ -51,11 +53,24 @@ def start_services(cfg: PhalanxConfig, run: RunDir, stack: contextlib.ExitStack)
     else:
         local_ray = LocalRay(cfg.ray, log_to_driver=False)
         stack.callback(local_ray.close)
+        stack.push(_keep_ray_logs_on_failure(local_ray, run.path / "ray-logs"))
         local_ray.start()
         store_host = "127.0.0.1"
     store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=cfg.recovery.group_timeout_s))
     return Services(endpoints, membership, store, store_host, local_ray, etcd)
+
+
+def _keep_ray_logs_on_failure(local_ray: LocalRay, dest: Path) -> Callable[..., bool]:
+    """An exit callback (it runs before ``local_ray.close``): when the job fails, keep the
+    local Ray's raylet and GCS logs in the run directory."""
+    def keep(exc_type: type[BaseException] | None, *_: object) -> bool:
+        if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):
+            kept = local_ray.keep_logs(dest)
+            if kept:
+                log.warning("event=ray_logs_kept dir=%s files=%d", dest, len(kept))
+        return False
+    return keep
 
 
 def _etcd_auth(cfg: PhalanxConfig) -> dict[str, str]:

@@ -89,6 +89,7 @@ def test_world_four_on_two_nodes_leaves_nothing_behind(tmp_path: Path, footprint
                                                              for r in range(4)}
     events = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").open()]
     assert events[0] == "started" and events[-1] == "finished" and "fault" not in events
+    assert not (run_dir / "ray-logs").exists(), "Ray's logs are kept only when a job fails"
     assert_nothing_left(footprint)
 
 
@@ -101,6 +102,10 @@ def test_worker_exception_fails_job_with_its_traceback(tmp_path: Path, footprint
     assert "rank 1" in result.stderr
     assert "ValueError: injected failure on rank 1 at step 3" in result.stderr
     assert "fail_at_step.py" in result.stderr  # the worker's own traceback, not Ray's
+    # a failed job keeps the local Ray's raylet and GCS logs (its temp dir is removed)
+    run_dir = next(tmp_path.glob("demo-*"))
+    kept = {p.name for p in (run_dir / "ray-logs").iterdir()}
+    assert "gcs_server.out" in kept and any(name.startswith("raylet") for name in kept), kept
     assert_nothing_left(footprint)
 
 
