@@ -32,9 +32,10 @@ log = logging.getLogger(__name__)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 AUTO_MAX_INTERVAL = 1000
 # A planning margin for what a snapshot costs the training loop beyond what the worker
-# measures (effects that outlast the steps after a capture, caches the copies evict): on
-# the 2-core CI machine, `auto` planning the measured cost at the 3% budget slowed 1600-step
-# runs with replication by 3.6-5.9%, about 1.5x the budget.
+# measures (effects that outlast the steps after a capture, caches the copies evict, noise
+# in the few steps measured). Planned with it at the 3% budget, the snapshots' share of the
+# example's 1600-step loops with replication measured 1.0-2.1% on the 2-core CI machine
+# (`bench/replication.py`, per step).
 UNSEEN_COST = 1.5
 # Steps after a capture whose time counts as the snapshot's cost: the background publish,
 # the keepers' and the holders' work land there. Measured on the 2-core CI machine with the
