@@ -63,10 +63,11 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
                 scheduler.step()
                 if sleep_per_step_s:
                     time.sleep(sleep_per_step_s)
-            log["step_s"].append(time.perf_counter() - step_started)
-            stats = session.snapshot_stats
-            if stats is not None and stats.last_capture_step == session.step_index:
-                log["captured"].append(len(log["step_s"]) - 1)
+            if step_log:
+                log["step_s"].append(time.perf_counter() - step_started)
+                stats = session.snapshot_stats
+                if stats is not None and stats.last_capture_step == session.step_index:
+                    log["captured"].append(len(log["step_s"]) - 1)
         seconds = time.perf_counter() - started
         digest = parameter_hash(model)
         stats, committed = session.snapshot_stats, session.committed_step

@@ -84,10 +84,7 @@ class _Source(NamedTuple):
 
     array: np.ndarray          # the tensor's bytes (uint8, contiguous)
     base: int
-
-    @property
-    def address(self) -> int:
-        return self.array.ctypes.data
+    address: int               # of ``array``'s first byte
 
 
 class _Target(NamedTuple):
@@ -156,8 +153,8 @@ class DigestJob:
         if self._tensors is not None:
             if dst.readonly:
                 raise ValueError("snapshot buffer is read-only")
-            self._sources = {span.name: _Source(_as_bytes(self._tensors[span.name]),
-                                                span.begin) for span in self._spans}
+            self._sources = {span.name: _source(self._tensors[span.name], span.begin)
+                             for span in self._spans}
             fused_copy.kernel()           # built or found before the threads need it
         array = np.frombuffer(dst, dtype=np.uint8)
         self._dst = _Target(dst, array, array.ctypes.data if len(dst) else 0)
@@ -219,6 +216,11 @@ def digest_spans(buf: Any, spans: Sequence[Span], algos: Mapping[str, str], *,
     job = DigestJob(spans, algos)
     job.start(buf)
     return finish(job, helpers(job, pool, workers))
+
+
+def _source(tensor: torch.Tensor, base: int) -> _Source:
+    array = _as_bytes(tensor)
+    return _Source(array, base, array.ctypes.data if array.size else 0)
 
 
 def byte_view(buf: Any) -> memoryview:
