@@ -371,9 +371,12 @@ def test_plan_for_10000_ranks_on_1000_nodes_is_fast() -> None:
     spare_inv = spares(**{f"sp{i}": f"n{(i * 37) % nodes}" for i in range(16)})
     lost = [Rank(r) for r in range(3, 10_000, 1249)][:8]
     faults = [died(r, f"n{r // per_node}") for r in lost]
-    started = time.perf_counter()
+    # the planning thread's CPU time: in the full suite, wall time once read 1.06 s for
+    # this 31-45 ms plan (threads and processes left by earlier tests competing for the
+    # GIL and the 2 cores), which says nothing about the planner
+    started = time.thread_time()
     plan = plan_recovery(faults, world, replicas, tiers(), spare_inv, RecoveryPolicy(), NOW)
-    elapsed = time.perf_counter() - started
+    elapsed = time.thread_time() - started
     print(f"\nplan_recovery: 10,000 ranks / 1,000 nodes / {len(lost)} lost ranks: "
           f"{elapsed * 1000:.1f} ms, plan JSON {len(plan.to_json()) / 1e6:.2f} MB")
     assert len(lost) == 8
