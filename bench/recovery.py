@@ -83,6 +83,40 @@ FORMED_RE = re.compile(STAMP_RE + r"event=group_formed generation=([1-9]\d*) .*s
                        re.M)
 
 
+# -- what fits this machine -----------------------------------------------------------------
+# Host bytes per byte of parameters, per rank: the worker's parameters, gradients and SGD
+# momentum (3); its keeper's two slots of a snapshot twice the parameters (4); the replicas
+# another keeper holds of it (factor 1, two steps kept: 4). Plus one spare restoring a rank.
+BYTES_PER_PARAM_BYTE = 11
+FIT_SHARE = 0.8          # of MemAvailable a cell may plan to use
+
+
+def host_bytes_needed(world: int, state_mib: float) -> int:
+    per_rank = state_mib * 2**20 * BYTES_PER_PARAM_BYTE
+    return int(per_rank * (world + 1))
+
+
+def mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def unfit_reason(world: int, state_mib: float, available: int | None) -> str | None:
+    """Why a cell cannot run on this machine (its state does not fit in memory), or None."""
+    need = host_bytes_needed(world, state_mib)
+    if available is None or need <= available * FIT_SHARE:
+        return None
+    return (f"needs ~{need / 2**30:.1f} GiB of host memory (parameters, gradients, momentum, "
+            f"keeper slots and replicas for {world} ranks + a spare at {state_mib:g} MiB), "
+            f"over {FIT_SHARE:.0%} of the {available / 2**30:.1f} GiB available")
+
+
 # -- one run -----------------------------------------------------------------------------
 def nodes_for(fault: str, world: int) -> int:
     return 3 if fault == "kill_node" and world >= 4 else 2
@@ -326,6 +360,7 @@ def summarize(cell: dict[str, Any], runs: list[dict[str, Any]],
               reference: dict[str, Any] | None) -> dict[str, Any]:
     ok = [r for r in runs if r["ok"]]
     out = dict(cell)
+    out.setdefault("skipped", None)
     out.update({"runs": len(runs), "ok_runs": len(ok),
                 "kill_to_first_step_s": med([r["kill_to_first_step_s"] for r in ok]),
                 "fault_to_first_step_s": med([r["fault_to_first_step_s"] for r in ok]),
@@ -349,6 +384,8 @@ def targets_of(cells: list[dict[str, Any]], stall_s: dict[str, float]) -> list[d
     found = []
     for cell in cells:
         value, fault = cell["kill_to_first_step_s"], cell["fault"]
+        if cell.get("skipped"):
+            continue
         if fault == "kill_worker" and cell["world"] == 4 and cell["state_mib"] == 64:
             limit, name = TARGETS["kill_worker_64MiB_world4_max_s"], "kill-worker <= 1 s"
         elif fault == "kill_node":
@@ -376,7 +413,7 @@ def table(cells: list[dict[str, Any]]) -> str:
                      round(snap, 2) if snap else None, c["kill_to_first_step_s"],
                      c["fault_to_first_step_s"], ph["detect"], ph["plan"], ph["fence"],
                      ph["promote"], ph["restore"], c["lost_steps"], c["median_step_s"],
-                     f"{c['ok_runs']}/{c['runs']}"])
+                     "skipped: no room" if c.get("skipped") else f"{c['ok_runs']}/{c['runs']}"])
     return markdown_table(headers, rows)
 
 
@@ -402,7 +439,8 @@ def plot(path: Path, cells: list[dict[str, Any]]) -> bool:
                    color="black", zorder=3, label="median kill→first step")
     for i, c in enumerate(cells):
         if c["kill_to_first_step_s"] is None:
-            ax.text(i, 0, "failed", ha="center", va="bottom", color="red")
+            ax.text(i, 0, "skipped" if c.get("skipped") else "failed", ha="center",
+                    va="bottom", color="gray" if c.get("skipped") else "red")
     ax.set_xticks(range(len(cells)), labels, fontsize=8)
     ax.set_ylabel("seconds (median), fault injected → first step")
     ax.set_title("phalanx recovery phases per cell")
@@ -456,8 +494,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
-    cells = [{"fault": f, "world": w, "state_mib": s, "key": f"{f}/w{w}/{s:g}MiB"}
+    available = mem_available()
+    cells = [{"fault": f, "world": w, "state_mib": s, "key": f"{f}/w{w}/{s:g}MiB",
+              "skipped": unfit_reason(w, s, available)}
              for f in args.fault_list for w in args.world_list for s in args.size_list]
+    for cell in cells:
+        if cell["skipped"]:
+            progress(f"skipping {cell['key']}: {cell['skipped']}")
     work = Path(tempfile.mkdtemp(prefix="phalanx-bench-recovery-"))
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     started = time.monotonic()
@@ -465,12 +508,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     references: dict[tuple[int, float], dict[str, Any]] = {}
     stall_s: dict[str, float] = {}
     interrupted = False
-    total = len(cells) * args.repeats + (0 if args.no_reference else
-                                         len({(c["world"], c["state_mib"]) for c in cells}))
+    runnable = [c for c in cells if not c["skipped"]]
+    total = len(runnable) * args.repeats + (0 if args.no_reference else
+                                            len({(c["world"], c["state_mib"]) for c in runnable}))
     progress(f"recovery bench: {len(cells)} cell(s) x {args.repeats} repeat(s), "
              f"{total} launches; work dir {work}")
     try:
-        for cell in cells:
+        for cell in runnable:
             stall_s[cell["key"]] = stall_timeout_s(overrides_for(
                 args, cell["world"], nodes_for(cell["fault"], cell["world"]),
                 cell["state_mib"], work, None))
@@ -506,7 +550,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
         if not args.keep_runs:
             shutil.rmtree(work, ignore_errors=True)
-    cells = [c for c in cells if c["key"] in stall_s]  # an interrupt may leave some unrun
+    # an interrupt may leave some unrun; cells that do not fit are reported as skipped
+    cells = [c for c in cells if c["key"] in stall_s or c["skipped"]]
     summaries = [summarize(cell, [r for r in runs if r["key"] == cell["key"]],
                            references.get((cell["world"], cell["state_mib"])))
                  for cell in cells]
@@ -545,6 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(summaries))
     print()
     for c in summaries:
+        if c["skipped"]:
+            print(f"skipped {c['key']}: {c['skipped']}")
         for error in c["errors"]:
             print(f"failed run of {c['key']}: {error[:300]}")
         if c["identical_to_fault_free"] is False:

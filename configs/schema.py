@@ -255,6 +255,9 @@ class SparesConfig:
 class DetectionConfig:
     stall_timeout_s: float = doc("a rank whose step does not advance this long is hung", 10.0)
     poll_interval_s: float = doc("how often the coordinator samples progress", 0.1)
+    watch_keepers: bool = doc("hold a TCP connection to every keeper: when it ends and both "
+                              "the keeper's and the raylet's ports refuse, the node is lost "
+                              "at once instead of after Ray's health checks", True)
 
     def __post_init__(self) -> None:
         _require(self.stall_timeout_s > 0, "detection.stall_timeout_s",

@@ -26,8 +26,9 @@ from launcher.drills import Injector, load_scenario
 from launcher.events import EventLog
 from launcher.keeper_events import KEEPER_EVENTS_FINAL_WAIT_S, KeeperEvents
 from launcher.monitor import Monitor, PollResult
+from launcher.node_watch import NodeWatch
 from launcher.progress import ProgressView
-from launcher.ray_cluster import node_resource
+from launcher.ray_cluster import node_resource, raylet_addresses
 from launcher.rundir import RunDir
 from launcher.services import Services, start_services
 from spares.actor import WorkerActor
@@ -213,7 +214,7 @@ class JobRunner:
         deadline = time.monotonic() + cfg.job.timeout_s
         total = cfg.job.args.get("steps") if isinstance(cfg.job.args.get("steps"), int) else None
         view = ProgressView(self.console, cfg.job.world_size, total).start()
-        monitor = Monitor(cfg.job.nodes)
+        monitor = Monitor(cfg.job.nodes, watch=self._node_watch(coordinator))
         injector = self._injector(coordinator)
         factor = cfg.replication.factor if cfg.replication.enabled else 0
         commits = CommitTracker(self.services.membership, cfg.job.world_size, factor,
@@ -252,6 +253,16 @@ class JobRunner:
             view.close()
             keeper_events.drain(coordinator.live_nodes, KEEPER_EVENTS_FINAL_WAIT_S)
         return {rank: results[rank] for rank in sorted(results)}
+
+    def _node_watch(self, coordinator: RecoveryCoordinator) -> NodeWatch | None:
+        """Watch every keeper's connection, so a lost node is noticed in milliseconds."""
+        if not self.keepers or not self.cfg.detection.watch_keepers:
+            return None
+        watch = NodeWatch({n: k[1] for n, k in self.keepers.items()},
+                          raylet_addresses(self.cfg.job.nodes), bytes.fromhex(self.secret_hex),
+                          self.cfg.job.name, lambda: coordinator.generation)
+        self._stack.callback(watch.close)
+        return watch.start()
 
     def _finished_workers(self) -> set[str]:
         """Workers that left membership on purpose (their entrypoint returned)."""

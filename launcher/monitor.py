@@ -13,7 +13,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from configs.errors import WorkerFailed
 from launcher.coordinator import RankSlot
 from launcher.keeper_actor import node_name
-from launcher.ray_cluster import node_resource
+from launcher.node_watch import NodeWatch
+from launcher.ray_cluster import node_indices
 from recovery.detection import ActorDied, LeaseLost, NodeLost, Progress, Signal
 from runtime.base import MemberRecord
 
@@ -31,8 +32,10 @@ class PollResult:
 class Monitor:
     """Owned by the launcher's main thread."""
 
-    def __init__(self, nodes: int, node_check_s: float = 0.25) -> None:
+    def __init__(self, nodes: int, node_check_s: float = 0.25,
+                 watch: NodeWatch | None = None) -> None:
         self._nodes = nodes
+        self._watch = watch
         self._node_check_s = node_check_s
         self._last_node_check = 0.0
         self._seen: dict[str, MemberRecord] = {}
@@ -86,15 +89,18 @@ class Monitor:
         self._seen.update({w: r for w, r in members.items() if w in current})
 
     def _node_signals(self, now: float, result: PollResult) -> None:
+        if self._watch is not None:     # a node whose keeper and raylet both refuse
+            for index, ended in self._watch.drain():
+                if index not in self._dead_nodes:
+                    self._dead_nodes.add(index)
+                    result.signals.append(NodeLost(node_name(index), ended))
         if now - self._last_node_check < self._node_check_s:
             return
         self._last_node_check = now
         alive = set()
         for node in ray.nodes():
             if node.get("Alive"):
-                for index in range(self._nodes):
-                    if node_resource(index) in node.get("Resources", {}):
-                        alive.add(index)
+                alive.update(node_indices(node, self._nodes))
         for index in range(self._nodes):
             if index not in alive and index not in self._dead_nodes:
                 self._dead_nodes.add(index)

@@ -27,6 +27,21 @@ def node_resource(index: int) -> str:
     return NODE_RESOURCE.format(index)
 
 
+def node_indices(node: dict[str, Any], count: int) -> list[int]:
+    """The virtual node indices a ``ray.nodes()`` entry offers (by its resources)."""
+    return [i for i in range(count) if node_resource(i) in node.get("Resources", {})]
+
+
+def raylet_addresses(count: int) -> dict[int, tuple[str, int]]:
+    """Node index → (host, port) of its live raylet, from Ray's node table."""
+    found = {}
+    for node in ray.nodes():
+        if node.get("Alive") and node.get("NodeManagerPort"):
+            for index in node_indices(node, count):
+                found[index] = (node["NodeManagerAddress"], int(node["NodeManagerPort"]))
+    return found
+
+
 class LocalRay:
     """Owns a local multi-raylet Ray cluster and this process's driver connection.
 

@@ -118,6 +118,8 @@ def test_killed_node_is_restored_from_replicas(tmp_path: Path, fault_free: Launc
     assert "Rollback" not in plan["actions"], "replicas must have been enough"
     logs = worker_pids(run_dir_of(result))
     assert {"rank_0_w0-g0", "rank_2_w2-g0"} <= set(logs)  # node 0's workers kept running
+    # noticed by the keeper watch (keeper and raylet ports refuse), not Ray's health checks
+    assert "event=node_gone node=node1" in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.timeout(400)

@@ -63,3 +63,20 @@ def test_quick_bench_recovers_a_killed_worker(tmp_path: Path) -> None:
     assert "| kill_worker | 2 | 16 |" in stdout
     assert "kill→first step" in stdout
     assert not Path(run["run_dir"]).exists()  # run directories are removed
+
+
+def test_cells_whose_state_does_not_fit_are_skipped_with_the_reason() -> None:
+    from bench.recovery import host_bytes_needed, summarize, table, targets_of, unfit_reason
+
+    available = 23 * 2**30
+    assert unfit_reason(2, 64, available) is None
+    assert unfit_reason(8, 64, available) is None
+    reason = unfit_reason(8, 512, available)
+    assert reason is not None and "GiB of host memory" in reason and "8 ranks" in reason
+    assert host_bytes_needed(8, 512) > 0.8 * available
+    assert unfit_reason(8, 512, None) is None     # unknown memory: try it
+    cell = summarize({"fault": "kill_node", "world": 8, "state_mib": 512.0,
+                      "key": "kill_node/w8/512MiB", "skipped": reason}, [], None)
+    assert cell["skipped"] == reason and cell["kill_to_first_step_s"] is None
+    assert "skipped: no room" in table([cell])
+    assert targets_of([cell], {}) == []           # no MISS for a cell that never ran

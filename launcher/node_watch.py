@@ -1,0 +1,152 @@
+"""Notices a lost node within milliseconds instead of Ray's health-check window.
+
+The launcher holds one idle, authenticated TCP connection to every node's keeper. A keeper
+lives as long as its node, so when that connection ends the watch asks two questions, each
+answered at once by the kernel: does the keeper's port still accept (no: the keeper process
+is gone), and does the node's raylet port still accept (no: the node is gone). Both refused
+is a lost node, stamped with the moment the connection ended. Anything less
+(the keeper closed an idle connection, only the keeper died, a machine that vanished
+without closing its sockets) is left to the slower signals: Ray's node health checks and
+the keeper's etcd lease.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+import threading
+import time
+from typing import Callable, Mapping
+
+from configs.errors import PhalanxError
+from launcher.keeper_actor import node_name
+from runtime.frames import client_handshake
+
+log = logging.getLogger(__name__)
+ROLE = "node-watch"
+PROBE_TIMEOUT_S = 0.5
+
+
+def refuses(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """True when nothing listens at ``address`` any more (connection refused or reset);
+    a port that accepts, or does not answer in ``timeout_s``, is not taken as gone."""
+    try:
+        with socket.create_connection(address, timeout=timeout_s):
+            return False
+    except (ConnectionRefusedError, ConnectionResetError):
+        return True
+    except OSError:  # timeout, unreachable network: no proof the process is gone
+        return False
+
+
+class NodeWatch:
+    """Owned by the launcher's main thread: ``start``, then ``drain`` each poll, ``close``.
+
+    ``keepers`` maps node index → keeper (host, port); ``raylets`` maps node index → raylet
+    (host, port). ``generation`` gives the generation a reconnect authenticates with.
+    """
+
+    def __init__(self, keepers: Mapping[int, tuple[str, int]],
+                 raylets: Mapping[int, tuple[str, int]], secret: bytes, job: str,
+                 generation: Callable[[], int], clock: Callable[[], float] = time.monotonic,
+                 timeout_s: float = 5.0) -> None:
+        self._keepers = dict(keepers)
+        self._raylets = dict(raylets)
+        self._secret, self._job = secret, job
+        self._generation = generation
+        self._clock = clock
+        self._timeout_s = timeout_s
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._lock = threading.Lock()
+        self._lost: list[tuple[int, float]] = []
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def watched(self) -> list[int]:
+        return sorted(key.data for key in self._selector.get_map().values()
+                      if key.data is not None)
+
+    def start(self) -> "NodeWatch":
+        for node in sorted(self._keepers):
+            if node in self._raylets:
+                self._watch(node)
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="node-watch")
+        self._thread.start()
+        return self
+
+    def drain(self) -> list[tuple[int, float]]:
+        """(node index, when its keeper connection ended) of each node found gone since the
+        last call."""
+        with self._lock:
+            lost, self._lost = self._lost, []
+        return lost
+
+    def close(self) -> None:
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if self._thread is not None:
+            self._thread.join(timeout=PROBE_TIMEOUT_S * 4 + 1)
+        for key in list(self._selector.get_map().values()):
+            with contextlib.suppress(OSError):
+                key.fileobj.close()  # type: ignore[union-attr]
+        self._selector.close()
+        self._wake_w.close()
+
+    def _watch(self, node: int) -> bool:
+        """Open and authenticate a connection to ``node``'s keeper; False when it refuses."""
+        host, port = self._keepers[node]
+        where = f"{host}:{port}"
+        try:
+            sock = socket.create_connection((host, port), timeout=self._timeout_s)
+        except OSError as exc:
+            log.info("event=node_watch_unavailable node=%s keeper=%s error=%s",
+                     node_name(node), where, exc)
+            return False
+        try:
+            client_handshake(sock, where, self._secret, self._job, ROLE, self._generation())
+        except (PhalanxError, OSError) as exc:
+            sock.close()
+            log.info("event=node_watch_unavailable node=%s keeper=%s error=%s",
+                     node_name(node), where, exc)
+            return False
+        sock.setblocking(False)
+        self._selector.register(sock, selectors.EVENT_READ, node)
+        return True
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            for key, _ in self._selector.select(timeout=1.0):
+                if key.data is None or self._stopping.is_set():
+                    continue
+                sock: socket.socket = key.fileobj  # type: ignore[assignment]
+                try:
+                    data = sock.recv(1)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if data:   # the keeper never speaks first on this connection
+                    continue
+                ended = self._clock()
+                self._selector.unregister(sock)
+                sock.close()
+                self._ended(key.data, ended)
+
+    def _ended(self, node: int, ended: float) -> None:
+        """The connection to ``node``'s keeper ended at ``ended``: find out why."""
+        if not refuses(self._keepers[node]):
+            if not self._watch(node):   # accepted a probe, refused a watch: look again later
+                log.info("event=node_watch_dropped node=%s", node_name(node))
+            return
+        if not refuses(self._raylets[node]):
+            log.warning("event=keeper_process_gone node=%s raylet=alive", node_name(node))
+            return
+        log.warning("event=node_gone node=%s seconds_to_classify=%.3f", node_name(node),
+                    self._clock() - ended)
+        with self._lock:
+            self._lost.append((node, ended))
