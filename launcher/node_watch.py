@@ -26,6 +26,7 @@ from runtime.frames import client_handshake
 log = logging.getLogger(__name__)
 ROLE = "node-watch"
 PROBE_TIMEOUT_S = 0.5
+RETRY_S = 1.0            # a keeper that answered a probe but could not be watched: look again
 
 
 def refuses(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -63,6 +64,7 @@ class NodeWatch:
         self._lock = threading.Lock()
         self._lost: list[tuple[int, float]] = []
         self._stopping = threading.Event()
+        self._retry: dict[int, tuple[float, float]] = {}   # node → (next look, ended at)
         self._thread: threading.Thread | None = None
 
     @property
@@ -120,7 +122,11 @@ class NodeWatch:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            for key, _ in self._selector.select(timeout=1.0):
+            for node, (due, ended) in list(self._retry.items()):
+                if self._clock() >= due:
+                    del self._retry[node]
+                    self._ended(node, ended)
+            for key, _ in self._selector.select(timeout=RETRY_S / 4 if self._retry else 1.0):
                 if key.data is None or self._stopping.is_set():
                     continue
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
@@ -140,8 +146,8 @@ class NodeWatch:
     def _ended(self, node: int, ended: float) -> None:
         """The connection to ``node``'s keeper ended at ``ended``: find out why."""
         if not refuses(self._keepers[node]):
-            if not self._watch(node):   # accepted a probe, refused a watch: look again later
-                log.info("event=node_watch_dropped node=%s", node_name(node))
+            if not self._watch(node):   # answered a probe, not a watch: look again later
+                self._retry[node] = (self._clock() + RETRY_S, ended)
             return
         if not refuses(self._raylets[node]):
             log.warning("event=keeper_process_gone node=%s raylet=alive", node_name(node))

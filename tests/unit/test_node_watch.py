@@ -63,7 +63,7 @@ def test_a_killed_node_is_reported_once_stamped_when_its_keeper_connection_ended
         killed = time.monotonic()
         os.kill(child.pid, signal.SIGKILL)
         lost = _wait_for(watch, 10.0)
-        assert [index for index, _ in lost] == [3]
+        assert [index for index, _ in lost] == [3], (lost, watch.watched, child.poll())
         assert lost[0][1] >= killed
         time.sleep(0.2)
         assert watch.drain() == [] and watch.watched == []
@@ -116,3 +116,24 @@ def test_refuses_only_when_nothing_listens():
     assert not refuses(address)
     listener.close()
     assert refuses(address)
+
+
+def test_descendants_finds_the_whole_process_tree():
+    from launcher.ray_cluster import descendants
+
+    tree = subprocess.Popen(["sh", "-c", "sleep 30 & (sleep 30 & wait) & wait"])
+    try:
+        deadline = time.monotonic() + 5
+        found: list[int] = []
+        while time.monotonic() < deadline and len(found) < 4:  # sleep, subshell, its sleep
+            found = descendants(tree.pid)
+            time.sleep(0.02)
+        assert len(found) >= 3, found
+        assert tree.pid not in found
+        names = [Path(f"/proc/{pid}/comm").read_text().strip() for pid in found]
+        assert names.count("sleep") == 2, names
+    finally:
+        for pid in descendants(tree.pid):
+            os.kill(pid, signal.SIGKILL)
+        tree.kill()
+        tree.wait()
