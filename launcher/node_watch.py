@@ -26,7 +26,11 @@ from runtime.frames import client_handshake
 log = logging.getLogger(__name__)
 ROLE = "node-watch"
 PROBE_TIMEOUT_S = 0.5
-RETRY_S = 1.0            # a keeper that answered a probe but could not be watched: look again
+# A keeper that answered a probe but could not be watched again is looked at again soon: a
+# dying process's listening socket can still complete a connect for a few milliseconds
+# after its connections were reset. The delay doubles from FIRST_RETRY_S up to RETRY_S.
+FIRST_RETRY_S = 0.01
+RETRY_S = 1.0
 
 
 def refuses(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -65,6 +69,7 @@ class NodeWatch:
         self._lost: list[tuple[int, float]] = []
         self._stopping = threading.Event()
         self._retry: dict[int, tuple[float, float]] = {}   # node → (next look, ended at)
+        self._delay: dict[int, float] = {}
         self._thread: threading.Thread | None = None
 
     @property
@@ -126,7 +131,9 @@ class NodeWatch:
                 if self._clock() >= due:
                     del self._retry[node]
                     self._ended(node, ended)
-            for key, _ in self._selector.select(timeout=RETRY_S / 4 if self._retry else 1.0):
+            soonest = min((due for due, _ in self._retry.values()), default=None)
+            wait = 1.0 if soonest is None else max(0.0, min(1.0, soonest - self._clock()))
+            for key, _ in self._selector.select(timeout=wait):
                 if key.data is None or self._stopping.is_set():
                     continue
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
@@ -146,8 +153,12 @@ class NodeWatch:
     def _ended(self, node: int, ended: float) -> None:
         """The connection to ``node``'s keeper ended at ``ended``: find out why."""
         if not refuses(self._keepers[node]):
-            if not self._watch(node):   # answered a probe, not a watch: look again later
-                self._retry[node] = (self._clock() + RETRY_S, ended)
+            if self._watch(node):
+                self._delay.pop(node, None)
+            else:           # answered a probe, not a watch: look again soon
+                delay = min(RETRY_S, self._delay.get(node, FIRST_RETRY_S / 2) * 2)
+                self._delay[node] = delay
+                self._retry[node] = (self._clock() + delay, ended)
             return
         if not refuses(self._raylets[node]):
             log.warning("event=keeper_process_gone node=%s raylet=alive", node_name(node))
