@@ -268,6 +268,20 @@ class DetectionConfig:
 
 
 @dataclass(frozen=True)
+class CoordinatorConfig:
+    standby: bool = doc("a second launcher (`phalanx launch --standby`) may take over: worker, "
+                        "keeper and spare actors are detached so they outlive the launcher, "
+                        "and the leader publishes its state to etcd; needs etcd.endpoints and "
+                        "ray.address (services that outlive the launcher)", False)
+    lease_ttl_s: float = doc("the leader's etcd lease: a standby takes over within this long "
+                             "after the leader stops", 3.0)
+
+    def __post_init__(self) -> None:
+        _require(self.lease_ttl_s >= 1, "coordinator.lease_ttl_s",
+                 f"{self.lease_ttl_s} is below 1 s", "use e.g. 3")
+
+
+@dataclass(frozen=True)
 class RecoveryConfig:
     enabled: bool = doc("recover from faults in-process (false: a fault fails the job)", True)
     max_recoveries: int = doc("give up after this many recoveries in one run", 20)
@@ -304,10 +318,17 @@ class PhalanxConfig:
     spares: SparesConfig = doc("warm spare pool", factory=SparesConfig)
     detection: DetectionConfig = doc("fault detection", factory=DetectionConfig)
     recovery: RecoveryConfig = doc("recovery policy", factory=RecoveryConfig)
+    coordinator: CoordinatorConfig = doc("leader election and standby launchers",
+                                         factory=CoordinatorConfig)
     drills: DrillsConfig = doc("fault injection", factory=DrillsConfig)
     security: SecurityConfig = doc("secrets", factory=SecurityConfig)
 
     def __post_init__(self) -> None:
+        if self.coordinator.standby:
+            _require(bool(self.etcd.endpoints) and bool(self.ray.address), "coordinator.standby",
+                     "true, but the job starts its own etcd and Ray, which end with its "
+                     "launcher", "set etcd.endpoints and ray.address to services that outlive "
+                     "the launcher, or set coordinator.standby: false")
         if not self.ray.address:
             _require(self.job.nodes <= self.ray.virtual_nodes, "job.nodes",
                      f"{self.job.nodes} nodes but ray.virtual_nodes is {self.ray.virtual_nodes}",

@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("config", help="YAML config file (e.g. configs/demo.yaml)")
     launch.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config key (repeatable)")
+    launch.add_argument("--standby", action="store_true",
+                        help="stand by for a job another launcher leads and take it over when "
+                        "that launcher stops (needs coordinator.standby: true)")
     status = sub.add_parser("status", help="show members, snapshots and the commit point of a "
                             "running job")
     status.add_argument("run_dir", nargs="?", help="run directory (default: the newest run)")
@@ -82,7 +85,7 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
     from launcher.job import JobRunner  # imports Ray and torch: only when launching
 
     cfg = load_config(args.config, args.overrides)
-    result = JobRunner(cfg, console).run()
+    result = JobRunner(cfg, console, standby=args.standby).run()
     hashes = {rank: (value.get("result") or {}).get("hash") for rank, value in result.results.items()
               if isinstance(value, dict)}
     for rank, digest in hashes.items():

@@ -44,6 +44,7 @@ class RankSlot:
     actor: Any
     ref: Any = None
     pid: int = 0
+    name: str = ""       # the actor's name in the job's Ray namespace (a standby finds it)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class RecoveryCoordinator:
         self.committed: Callable[[], int] = lambda: -1
         self.history: list[dict[str, Any]] = []
         self.waiting: Waiting | None = None
+        self.store_address: tuple[str, int] | None = None   # this launcher's TCPStore
 
     def fence_initial(self) -> None:
         if not self.membership.compare_and_swap(GENERATION_KEY, 0, b"0"):
@@ -330,7 +332,7 @@ class RecoveryCoordinator:
                     sources.append(source)
             ranks[int(rank)] = RankAssignment(str(worker), tuple(s for s in sources if s))
         return GenerationPlan(plan.generation, self.cfg.job.world_size, plan.restore_step,
-                              ranks, plan.reason)
+                              ranks, plan.reason, self.store_address)
 
     def _keeper_source(self, node: str) -> dict[str, Any]:
         index = int(node.removeprefix("node"))
@@ -361,7 +363,8 @@ class RecoveryCoordinator:
                 case PromoteSpare(spare=spare_id, rank=rank, node=node):
                     assert self.pool is not None
                     spare = self.pool.take(str(spare_id))
-                    slot = RankSlot(rank, str(spare_id), spare.node, spare.actor)
+                    slot = RankSlot(rank, str(spare_id), spare.node, spare.actor,
+                                    name=spare.name)
                 case RestartWorker(rank=rank, node=node):
                     slot = RankSlot(rank, str(plan.rank_workers[rank]),
                                     int(str(node).removeprefix("node")), None)

@@ -30,12 +30,15 @@ from launcher.node_watch import NodeWatch
 from launcher.progress import ProgressView
 from launcher.ray_cluster import node_resource, raylet_addresses
 from launcher.rundir import RunDir
-from launcher.services import Services, start_services
+from launcher.leadership import JobState, LeadershipLost, publish_state, read_state
+from launcher.services import Services, join_services, start_services
 from spares.actor import WorkerActor
 from spares.pool import SparePool
 from recovery.base import FaultReport, WorldView
-from recovery.detection import NodeLost, StallDetector, classify
+from recovery.detection import ActorDied, NodeLost, StallDetector, classify
 from runtime.context import DEFAULT_PLAN_TIMEOUT_S, WorkerContext
+from runtime.generation import GENERATION_KEY, GenerationPlan, plan_key
+from runtime.placement import Placement
 from runtime.tier_config import read_job_secret
 from runtime.session import FINISHED_PREFIX
 from runtime.shm import check_capacity, memory_plan
@@ -63,14 +66,25 @@ class JobRunner:
     cause (``WorkerFailed`` with the rank's traceback, ``ServiceStartError``, ...)."""
 
     def __init__(self, cfg: PhalanxConfig, console: Console | None = None,
-                 base_dir: Path | None = None) -> None:
+                 base_dir: Path | None = None, standby: bool = False) -> None:
         self.cfg = cfg
         self.console = console or Console(stderr=True)
         self.entrypoint = resolve_path(cfg.job.entrypoint, base_dir or Path.cwd())
         self.secret_hex = ""
         self.keepers: dict[int, tuple[Any, tuple[str, int]]] = {}
+        self.standby = standby
+        self.handed_over = False   # lost the lease: leave the job's actors to the successor
+        self._lifetime = {"lifetime": "detached"} if cfg.coordinator.standby else {}
+        self._published = b""
+        self._signals_at_start: list[ActorDied] = []
+        if standby and not cfg.coordinator.standby:
+            raise ConfigError("coordinator.standby", "false, but --standby was given",
+                              "set coordinator.standby: true in the job's config (leader and "
+                              "standby share it)")
 
     def run(self) -> JobResult:
+        if self.standby:
+            return self._take_over()
         started = time.monotonic()
         self._check_memory()
         self._check_tiers()
@@ -90,23 +104,141 @@ class JobRunner:
             events = EventLog(run.path / "events.jsonl", services.membership)
             stack.callback(events.close)     # before the membership closes (LIFO)
             pool = self._start_spares(stack)
-            coordinator = RecoveryCoordinator(
-                self.cfg, services.membership, self.keepers, pool,
-                lambda slot, gen, restore: self._launch(run, slot, gen, restore), events,
-                str(run.path))
+            coordinator = self._coordinator(run, services, events, pool)
             coordinator.fence_initial()
             events.emit("started", world_size=self.cfg.job.world_size, nodes=self.cfg.job.nodes,
                         spares=self.cfg.spares.count)
             slots = self._start_workers(run)
             if self.keepers:
                 coordinator.place(slots)
+            return self._finish(run, slots, coordinator, started)
+
+    def _finish(self, run: RunDir, slots: dict[int, RankSlot],
+                coordinator: RecoveryCoordinator, started: float) -> JobResult:
+        try:
             results = self._watch(run, slots, coordinator)
-            holdings = self._keeper_holdings(coordinator.live_nodes)
-            events.emit("finished", recoveries=coordinator.recoveries)
+        except LeadershipLost:
+            self.handed_over = True
+            raise
+        holdings = self._keeper_holdings(coordinator.live_nodes)
+        coordinator.events.emit("finished", recoveries=coordinator.recoveries)
         result = JobResult(run.path, results, time.monotonic() - started, holdings,
                            coordinator.history)
         self.console.print(f"phalanx: job {self.cfg.job.name} finished in {result.seconds:.1f} s")
         return result
+
+    # -- standing by -----------------------------------------------------------------------
+    def _take_over(self) -> JobResult:
+        """Wait until the job's leader is gone, then carry the job on from the state it
+        published: the same workers, keepers and spares (found by name), a new TCPStore."""
+        cfg = self.cfg
+        self.scenario = None      # drills are the leader's; faults it fired are history
+        with contextlib.ExitStack() as stack:
+            _install_sigterm(stack)
+            self.console.print(f"phalanx: standing by for job {cfg.job.name}")
+            services = join_services(cfg, stack, lambda holder: self.console.print(
+                f"phalanx: job {cfg.job.name} is led by pid {holder.get('pid')} on "
+                f"{holder.get('host')}; standing by"))
+            started = time.monotonic()
+            self.services, self._stack = services, stack
+            state = read_state(services.membership)
+            run = RunDir(Path(state.run_dir))
+            self.secret_hex = job_secret(cfg, run).hex()
+            self._adopt_keepers(state, stack)
+            events = EventLog(run.path / "events.jsonl", services.membership)
+            stack.callback(events.close)
+            pool = self._start_spares(stack, state)
+            coordinator = self._coordinator(run, services, events, pool)
+            current = services.membership.get(GENERATION_KEY)
+            coordinator.generation = int(current.value) if current else state.generation
+            coordinator.live_nodes = {n for n in state.live_nodes
+                                      if n in self.keepers or not cfg.snapshot.enabled}
+            coordinator.recoveries, coordinator.history = state.recoveries, list(state.history)
+            if state.holders:
+                coordinator.placement = Placement({r: tuple(h) for r, h in state.holders.items()})
+            slots = self._adopt_workers(state, coordinator.generation, pool)
+            events.emit("coordinator_takeover", pid=os.getpid(), generation=coordinator.generation,
+                        state_generation=state.generation, run_dir=str(run.path),
+                        lost_at_takeover=[s.worker_id for s in self._signals_at_start])
+            self.console.print(f"phalanx: took over job {cfg.job.name} at generation "
+                               f"{coordinator.generation} (run directory {run.path})")
+            return self._finish(run, slots, coordinator, started)
+
+    def _adopt_keepers(self, state: JobState, stack: contextlib.ExitStack) -> None:
+        for node, info in sorted(state.keepers.items()):
+            try:
+                actor = ray.get_actor(info["actor"])
+            except ValueError:    # gone with its node: the node is lost
+                continue
+            stack.callback(self._close_keeper, actor)
+            self.keepers[node] = (actor, (info["host"], int(info["port"])))
+
+    def _adopt_workers(self, state: JobState, generation: int,
+                       pool: SparePool | None) -> dict[int, RankSlot]:
+        """The leader's workers, each watched through ``result`` (it answers when the
+        entrypoint ends, or fails when the actor dies). A worker that is gone, or any rank
+        the newest plan moved after the state was published (the leader died mid-recovery),
+        becomes a fault on the first poll."""
+        planned = {}
+        if generation != state.generation:
+            found = self.services.membership.get(plan_key(generation))
+            planned = GenerationPlan.from_json(found.value).ranks if found else {}
+        slots = {}
+        for rank, info in sorted(state.slots.items()):
+            slot = RankSlot(rank, info["worker_id"], int(info["node"]), None, name=info["actor"])
+            moved = rank in planned and planned[rank].worker != slot.worker_id
+            try:
+                slot.actor = ray.get_actor(info["actor"])
+            except ValueError:
+                moved = True
+            if moved:
+                self._signals_at_start.append(ActorDied(slot.worker_id, time.monotonic(),
+                                                        "gone when the standby took over"))
+                if rank in planned:   # a replacement the dead leader may have started
+                    self._kill_named(f"{self.cfg.job.name}-{planned[rank].worker}", pool)
+            else:
+                slot.ref = slot.actor.result.remote()
+                self._stack.callback(self._release_actor, slot.actor)
+            slots[rank] = slot
+        return slots
+
+    def _kill_named(self, name: str, pool: SparePool | None) -> None:
+        with contextlib.suppress(ValueError):
+            _kill_actor(ray.get_actor(name))
+        if pool is not None:
+            pool.discard(name)
+
+    def _publish_state(self, run: RunDir, slots: dict[int, RankSlot],
+                       coordinator: RecoveryCoordinator) -> None:
+        """Publish what a standby needs, when it changed (only with coordinator.standby)."""
+        if not self.cfg.coordinator.standby:
+            return
+        pool = coordinator.pool
+        spares, serial = pool.describe() if pool is not None else ({}, 0)
+        state = JobState(
+            run_dir=str(run.path), generation=coordinator.generation,
+            slots={r: {"worker_id": s.worker_id, "node": s.node, "actor": s.name}
+                   for r, s in slots.items()},
+            keepers={n: {"actor": f"{self.cfg.job.name}-keeper{n}", "host": addr[0],
+                         "port": addr[1]} for n, (_, addr) in self.keepers.items()},
+            spares=spares, spare_serial=serial, live_nodes=sorted(coordinator.live_nodes),
+            recoveries=coordinator.recoveries,
+            holders={int(r): list(h) for r, h in coordinator.placement.holders.items()}
+            if coordinator.placement else {},
+            history=coordinator.history)
+        encoded = state.to_json()
+        if encoded != self._published:
+            publish_state(self.services.membership, state)
+            self._published = encoded
+
+    def _coordinator(self, run: RunDir, services: Services, events: EventLog,
+                     pool: SparePool | None) -> RecoveryCoordinator:
+        coordinator = RecoveryCoordinator(
+            self.cfg, services.membership, self.keepers, pool,
+            lambda slot, gen, restore: self._launch(run, slot, gen, restore), events,
+            str(run.path))
+        coordinator.store_address = (services.store_host, services.store.port)
+        return coordinator
 
     def _check_memory(self) -> None:
         """Refuse to start when shared memory cannot hold every node's snapshots."""
@@ -135,23 +267,29 @@ class JobRunner:
         actors = {}
         for node in range(self.cfg.job.nodes):
             actor = KeeperActor.options(resources={node_resource(node): 1},
-                                        name=f"{self.cfg.job.name}-keeper{node}").remote(
+                                        name=f"{self.cfg.job.name}-keeper{node}",
+                                        **self._lifetime).remote(
                 node_name(node), config_yaml, self.secret_hex, services.etcd_endpoints,
                 str(run.path), [r for r in range(self.cfg.job.world_size)
                                 if r % self.cfg.job.nodes == node])
-            stack.callback(_close_keeper, actor)
+            stack.callback(self._close_keeper, actor)
             actors[node] = actor
         addresses = ray.get([actor.address.remote() for actor in actors.values()], timeout=60)
         self.keepers = {node: (actor, tuple(addr)) for (node, actor), addr
                         in zip(actors.items(), addresses)}
 
-    def _start_spares(self, stack: contextlib.ExitStack) -> SparePool | None:
+    def _start_spares(self, stack: contextlib.ExitStack,
+                      adopt: JobState | None = None) -> SparePool | None:
+        """The warm pool; a standby adopts the leader's spares (``adopt``) instead."""
         cfg = self.cfg
         if cfg.spares.count <= 0:
             return None
         pool = SparePool(cfg.spares.count, self.entrypoint, cfg.job.torch_threads,
-                         cfg.spares.warmup, cfg.job.cpus_per_worker, node_resource, cfg.job.name)
-        stack.callback(pool.close)
+                         cfg.spares.warmup, cfg.job.cpus_per_worker, node_resource, cfg.job.name,
+                         detached=cfg.coordinator.standby)
+        stack.callback(lambda: None if self.handed_over else pool.close())
+        if adopt is not None:
+            return pool.adopt(adopt.spares, adopt.spare_serial)
         return pool.start(list(range(cfg.job.nodes)))
 
     def _keeper_holdings(self, live: set[int]) -> dict[str, Any]:
@@ -183,17 +321,26 @@ class JobRunner:
         cfg = self.cfg
         actor = WorkerActor.options(
             num_cpus=cfg.job.cpus_per_worker, resources={node_resource(node): 1},
-            name=f"{cfg.job.name}-{name}").remote(self.entrypoint, cfg.job.torch_threads,
-                                                   cfg.spares.warmup)
-        self._stack.callback(_kill_actor, actor)
+            name=f"{cfg.job.name}-{name}", **self._lifetime).remote(
+                self.entrypoint, cfg.job.torch_threads, cfg.spares.warmup)
+        self._stack.callback(self._release_actor, actor)
         return actor
+
+    def _release_actor(self, actor: Any) -> None:
+        if not self.handed_over:
+            _kill_actor(actor)
+
+    def _close_keeper(self, actor: Any) -> None:
+        if not self.handed_over:
+            _close_keeper(actor)
 
     def _launch(self, run: RunDir, slot: RankSlot, generation: int, restore: dict | None) -> Any:
         """Start ``slot``'s entrypoint (a fresh actor when it has none); returns the ref."""
         if slot.actor is None:
+            slot.name = f"{self.cfg.job.name}-{slot.worker_id}-r{slot.rank}"
             slot.actor = self._new_actor(slot.node, f"{slot.worker_id}-r{slot.rank}")
         else:
-            self._stack.callback(_kill_actor, slot.actor)
+            self._stack.callback(self._release_actor, slot.actor)
         ctx = self._context(run, slot, generation, restore)
         return slot.actor.run.remote(ctx.to_env(), dict(self.cfg.job.args),
                                      str(run.log_path(f"rank_{slot.rank}_{slot.worker_id}")))
@@ -202,7 +349,8 @@ class JobRunner:
         slots = {}
         for rank in range(self.cfg.job.world_size):
             node = rank % self.cfg.job.nodes
-            slot = RankSlot(rank, f"w{rank}-g0", node, self._new_actor(node, f"rank{rank}"))
+            slot = RankSlot(rank, f"w{rank}-g0", node, self._new_actor(node, f"rank{rank}"),
+                            name=f"{self.cfg.job.name}-rank{rank}")
             slots[rank] = slot
         for slot in slots.values():
             slot.ref = self._launch(run, slot, 0, None)
@@ -223,8 +371,10 @@ class JobRunner:
         stall = StallDetector(cfg.detection.stall_timeout_s)
         keeper_events = KeeperEvents(self.keepers, coordinator.events, self.console)
         results: dict[int, Any] = {}
+        self._publish_state(run, slots, coordinator)
         try:
             while len(results) < cfg.job.world_size:
+                self.services.leadership.check()
                 members = self.services.membership.members()
                 polled = monitor.poll(slots, set(results), members,
                                       timeout_s=cfg.detection.poll_interval_s,
@@ -241,6 +391,7 @@ class JobRunner:
                     stall.reset()
                 coordinator.retry(slots)
                 coordinator.check_resumed(members)
+                self._publish_state(run, slots, coordinator)
                 commits.poll()
                 if injector is not None:
                     injector.poll(members)
@@ -291,6 +442,8 @@ class JobRunner:
         live = {node_name(n) for n in coordinator.live_nodes}
         signals = [s for s in polled.signals  # a node already handled is not a new fault
                    if not isinstance(s, NodeLost) or s.node in live]
+        signals += self._signals_at_start       # workers a standby found gone at takeover
+        self._signals_at_start = []
         faults = classify(signals, world, now)
         if not faults and coordinator.pending is None and coordinator.waiting is None:
             faults = stall.check(now)     # (ranks waiting for a parked plan are not hung)
@@ -310,8 +463,10 @@ def job_secret(cfg: PhalanxConfig, run: RunDir) -> bytes:
     configured = read_job_secret(cfg)
     if configured is not None:
         return configured
-    secret = secrets.token_hex(32).encode()
     path = run.path / "secret"
+    if path.exists():     # a standby carrying on the run its leader started
+        return path.read_bytes().rstrip(b"\n")
+    secret = secrets.token_hex(32).encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as handle:
         handle.write(secret + b"\n")

@@ -73,9 +73,11 @@ class LocalRay:
     the Ray temp dir. ``remove_node(i)`` kills virtual node ``i`` (drills).
     """
 
-    def __init__(self, cfg: RayConfig, log_to_driver: bool = True) -> None:
+    def __init__(self, cfg: RayConfig, log_to_driver: bool = True,
+                 namespace: str | None = None) -> None:
         self._cfg = cfg
         self._log_to_driver = log_to_driver
+        self._namespace = namespace
         self._cluster: Cluster | None = None
         self._nodes: dict[int, Any] = {}
         self._temp_dir: Path | None = None
@@ -111,6 +113,7 @@ class LocalRay:
             # connect while the head is the only raylet on 127.0.0.1, so the driver attaches
             # to it and not to whichever virtual node answers first
             ray.init(address=self._cluster.address, log_to_driver=self._log_to_driver,
+                     namespace=self._namespace,
                      _node_ip_address="127.0.0.1", logging_level=logging.WARNING,
                      configure_logging=False, include_dashboard=False)
             for index in range(self._cfg.virtual_nodes):
@@ -201,3 +204,30 @@ class LocalRay:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m launcher.ray_cluster``: hold a local multi-raylet Ray for jobs that join
+    it with ``ray.address`` (a standby launcher needs a Ray that outlives the leader).
+    Prints ``{"address": ...}`` as one JSON line, then runs until SIGTERM or Ctrl-C."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m launcher.ray_cluster")
+    parser.add_argument("--nodes", type=int, default=2, help="virtual nodes")
+    parser.add_argument("--cpus-per-node", type=float, default=4.0)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    cfg = RayConfig(virtual_nodes=args.nodes, cpus_per_node=args.cpus_per_node)
+    with LocalRay(cfg, log_to_driver=False) as cluster:
+        print(json.dumps({"address": cluster.address}), flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

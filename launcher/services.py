@@ -12,8 +12,10 @@ from typing import Callable
 import ray
 import torch.distributed as dist
 
+from configs.errors import PlanInfeasible
 from configs.schema import PhalanxConfig
 from launcher.etcd_server import EmbeddedEtcd
+from launcher.leadership import COORDINATOR_KEY, Leadership
 from launcher.ray_cluster import LocalRay
 from launcher.rundir import RunDir
 from runtime.membership_etcd import EtcdMembership, job_prefix
@@ -29,10 +31,18 @@ class Services:
     store_host: str
     local_ray: LocalRay | None
     etcd: EmbeddedEtcd | None
+    leadership: Leadership
+
+
+def ray_namespace(cfg: PhalanxConfig) -> str:
+    """The Ray namespace of a job's named actors (a standby finds them there)."""
+    return f"phalanx-{cfg.job.name}"
 
 
 def start_services(cfg: PhalanxConfig, run: RunDir, stack: contextlib.ExitStack) -> Services:
-    """Start (or join) etcd, Ray and the TCPStore; registers their teardown on ``stack``."""
+    """Start (or join) etcd, Ray and the TCPStore, and take the job's coordinator lease;
+    registers their teardown on ``stack``. Raises ``PlanInfeasible`` when another launcher
+    leads the job."""
     etcd = None
     endpoints = list(cfg.etcd.endpoints)
     if not endpoints:
@@ -40,25 +50,68 @@ def start_services(cfg: PhalanxConfig, run: RunDir, stack: contextlib.ExitStack)
         stack.callback(etcd.close)
         etcd.start()
         endpoints = [etcd.endpoint]
-    membership = EtcdMembership(endpoints, job_prefix(cfg.etcd.prefix, cfg.job.name),
-                                **_etcd_auth(cfg)).connect(retry_for_s=cfg.etcd.startup_timeout_s)
-    stack.callback(membership.close)
-    for stale in membership.list_prefix(""):  # the launcher owns its job's namespace
-        membership.delete(stale.key)
+    membership = _connect(cfg, endpoints, stack)
+    leadership = _leadership(cfg, endpoints, stack)
+    if not leadership.try_acquire():
+        holder = leadership.holder() or {}
+        raise PlanInfeasible(
+            f"job {cfg.job.name!r} is led by the launcher with pid {holder.get('pid')} on "
+            f"{holder.get('host')}: stop it first, or start this one with --standby to take "
+            "over when it stops")
+    for stale in membership.list_prefix(""):  # the leader owns its job's namespace
+        if stale.key != COORDINATOR_KEY:
+            membership.delete(stale.key)
     local_ray = None
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=False)
-        stack.callback(ray.shutdown)
-        store_host = ray.util.get_node_ip_address()
+        store_host = _join_ray(cfg, stack)
     else:
-        local_ray = LocalRay(cfg.ray, log_to_driver=False)
+        local_ray = LocalRay(cfg.ray, log_to_driver=False, namespace=ray_namespace(cfg))
         stack.callback(local_ray.close)
         stack.push(_keep_ray_logs_on_failure(local_ray, run.path / "ray-logs"))
         local_ray.start()
         store_host = "127.0.0.1"
-    store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=cfg.recovery.group_timeout_s))
-    return Services(endpoints, membership, store, store_host, local_ray, etcd)
+    return Services(endpoints, membership, _store(cfg, store_host), store_host, local_ray, etcd,
+                    leadership)
+
+
+def join_services(cfg: PhalanxConfig, stack: contextlib.ExitStack,
+                  on_waiting: Callable[[dict], None]) -> Services:
+    """A standby's services: join etcd, wait until the job's leader is gone and take its
+    lease, join Ray, and host a new TCPStore (the leader's went with it)."""
+    endpoints = list(cfg.etcd.endpoints)
+    membership = _connect(cfg, endpoints, stack)
+    leadership = _leadership(cfg, endpoints, stack)
+    leadership.wait(on_waiting=on_waiting)
+    store_host = _join_ray(cfg, stack)
+    return Services(endpoints, membership, _store(cfg, store_host), store_host, None, None,
+                    leadership)
+
+
+def _connect(cfg: PhalanxConfig, endpoints: list[str],
+             stack: contextlib.ExitStack) -> EtcdMembership:
+    membership = EtcdMembership(endpoints, job_prefix(cfg.etcd.prefix, cfg.job.name),
+                                **_etcd_auth(cfg)).connect(retry_for_s=cfg.etcd.startup_timeout_s)
+    stack.callback(membership.close)
+    return membership
+
+
+def _leadership(cfg: PhalanxConfig, endpoints: list[str],
+                stack: contextlib.ExitStack) -> Leadership:
+    """The coordinator lease lives on its own connection: it is this launcher's liveness."""
+    leadership = Leadership(_connect(cfg, endpoints, stack), cfg.coordinator.lease_ttl_s)
+    stack.callback(leadership.release)
+    return leadership
+
+
+def _join_ray(cfg: PhalanxConfig, stack: contextlib.ExitStack) -> str:
+    ray.init(address=cfg.ray.address, log_to_driver=False, namespace=ray_namespace(cfg))
+    stack.callback(ray.shutdown)
+    return ray.util.get_node_ip_address()
+
+
+def _store(cfg: PhalanxConfig, host: str) -> dist.TCPStore:
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=cfg.recovery.group_timeout_s))
 
 
 def _keep_ray_logs_on_failure(local_ray: LocalRay, dest: Path) -> Callable[..., bool]:

@@ -62,6 +62,14 @@ class Membership(Protocol):
     def put_leased(self, key: str, value: bytes) -> None:
         """Write ``key`` under our lease, so it vanishes when we do (``keepers/<node>``)."""
 
+    def create_leased(self, key: str, value: bytes, ttl_s: float) -> bool:
+        """Write ``key`` under a fresh lease of ours (kept alive like ``join``'s) only if the
+        key does not exist: leader election. Returns whether this member holds it now."""
+
+    @property
+    def lease_lost(self) -> str:
+        """Why our lease is gone (expired, revoked, unreachable); "" while it is held."""
+
     def leave(self) -> None:
         """Revoke our lease: our member key disappears at once."""
 

@@ -89,6 +89,12 @@ class Collective:
         self._group = built["group"]
         self.generation = generation
 
+    def use_store(self, connect: Callable[[], dist.Store]) -> None:
+        """Form later generations on another TCPStore (a standby coordinator took over and
+        hosts its own); the old store's clients are left to close with their groups."""
+        self._connect = connect
+        self._store = connect()
+
     def abandon(self) -> None:
         """Park the current group: its sockets stay open and any parked call fails later at
         its timeout, which nobody waits for."""

@@ -43,11 +43,15 @@ class GenerationPlan:
     restore_step: int
     ranks: Mapping[int, RankAssignment] = field(default_factory=dict)
     reason: str = ""
+    # the TCPStore this generation's group forms on: (host, port) of the coordinator that
+    # published the plan (a standby that took over hosts a new one); None: unchanged
+    store: tuple[str, int] | None = None
 
     def to_json(self) -> bytes:
         return json.dumps({
             "generation": self.generation, "world_size": self.world_size,
             "restore_step": self.restore_step, "reason": self.reason,
+            "store": list(self.store) if self.store else None,
             "ranks": {str(r): {"worker": a.worker, "sources": list(a.sources)}
                       for r, a in sorted(self.ranks.items())},
         }, sort_keys=True, separators=(",", ":")).encode()
@@ -57,8 +61,10 @@ class GenerationPlan:
         raw = json.loads(data)
         ranks = {int(r): RankAssignment(str(a["worker"]), tuple(dict(s) for s in a["sources"]))
                  for r, a in raw["ranks"].items()}
+        store = raw.get("store")
         return cls(int(raw["generation"]), int(raw["world_size"]), int(raw["restore_step"]),
-                   ranks, str(raw.get("reason", "")))
+                   ranks, str(raw.get("reason", "")),
+                   (str(store[0]), int(store[1])) if store else None)
 
 
 def plan_key(generation: int) -> str:

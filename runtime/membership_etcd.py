@@ -193,6 +193,35 @@ class EtcdMembership:
         log.info("event=member_joined worker=%s lease=%x ttl_s=%d endpoint=%s",
                  member.worker_id, lease.id, ttl, self.endpoint)
 
+    def create_leased(self, key: str, value: bytes, ttl_s: float) -> bool:
+        """Write ``key`` under a fresh lease kept alive like ``join``'s, only if the key does
+        not exist (one transaction): leader election. False, and no lease, when it exists."""
+        client = self._conn()
+        self.leave()
+        ttl = max(1, math.ceil(ttl_s))
+        full = self._prefix + key
+        with self._translate("lease grant"):
+            lease = client.lease(ttl)
+        tx = client.transactions
+        with self._translate("create_leased", key):
+            created, _ = client.transaction(compare=[tx.create(full) == 0],
+                                            success=[tx.put(full, value, lease=lease.id)],
+                                            failure=[])
+        if not created:
+            with self._translate("lease revoke"), contextlib.suppress(grpc.RpcError):
+                client.revoke_lease(lease.id)
+            return False
+        with self._lock:
+            self._lease_id, self._lease_lost = lease.id, ""
+        self._start_keepalive(lease.id, ttl, key)
+        return True
+
+    @property
+    def lease_lost(self) -> str:
+        """Why our lease is gone; "" while held (or never joined)."""
+        with self._lock:
+            return self._lease_lost if self._lease_id else ""
+
     def update(self, member: MemberRecord) -> None:
         """Rewrite our record under our lease; raises ``LeaseLost`` once it is gone."""
         self._put_leased(member)

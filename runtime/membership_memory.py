@@ -154,14 +154,15 @@ class InMemoryStore:
             return [KeyValue(k, e.value, e.mod_revision)
                     for k, e in sorted(self._data.items()) if k.startswith(prefix)]
 
-    def compare_and_swap(self, key: str, expected_revision: int, value: bytes) -> bool:
+    def compare_and_swap(self, key: str, expected_revision: int, value: bytes,
+                         lease: int = 0) -> bool:
         with self._lock:
             self._expire_due_locked()
             entry = self._data.get(key)
             current = 0 if entry is None else entry.mod_revision
             if current != expected_revision:
                 return False
-            self._put_locked(key, value, 0)
+            self._put_locked(key, value, lease)
         self._dispatch()
         return True
 
@@ -271,6 +272,24 @@ class InMemoryMembership:
         if not lease:
             raise LeaseLost(f"key {key!r}: this member holds no lease; call join() first")
         self.store.put(key, value, lease)
+
+    def create_leased(self, key: str, value: bytes, ttl_s: float) -> bool:
+        """Write ``key`` under a fresh lease of ours only if no one holds it."""
+        self._check_open("create_leased")
+        self._drop_own_lease()
+        lease = self.store.grant(float(max(1, math.ceil(ttl_s))))
+        if not self.store.compare_and_swap(key, 0, value, lease):
+            self.store.revoke(lease)
+            return False
+        with self._lock:
+            self._lease = lease
+        return True
+
+    @property
+    def lease_lost(self) -> str:
+        """Why our lease is gone; "" while held (or never joined)."""
+        lease = self._lease
+        return "" if not lease or self.store.lease_alive(lease) else "the lease expired"
 
     def leave(self) -> None:
         """Revoke our lease (our member key disappears); a no-op when not joined."""

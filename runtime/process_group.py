@@ -17,11 +17,16 @@ log = logging.getLogger(__name__)
 
 def connect_store(ctx: WorkerContext, timeout_s: float) -> dist.Store:
     """A client of the launcher-hosted TCPStore; raises ``PeerUnreachable``."""
+    return connect_store_at(ctx.master_addr, ctx.master_port, timeout_s)
+
+
+def connect_store_at(host: str, port: int, timeout_s: float) -> dist.Store:
+    """A client of the TCPStore at ``host:port``; raises ``PeerUnreachable``."""
     try:
-        return dist.TCPStore(ctx.master_addr, ctx.master_port, is_master=False,
+        return dist.TCPStore(host, port, is_master=False,
                              timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as exc:
-        raise PeerUnreachable(f"TCPStore {ctx.master_addr}:{ctx.master_port} did not answer "
+        raise PeerUnreachable(f"TCPStore {host}:{port} did not answer "
                               f"within {timeout_s} s: {exc}") from exc
 
 

@@ -33,7 +33,7 @@ from runtime.context import WorkerContext
 from runtime.generation import Fenced, GenerationWatcher
 from runtime.keeper_wire import KeeperClient
 from runtime.membership_etcd import EtcdMembership, job_prefix
-from runtime.process_group import connect_store
+from runtime.process_group import connect_store, connect_store_at
 from runtime.rejoin import restore_rank
 from runtime.snapshotter import SnapshotPolicy, Snapshotter
 from runtime.state_tree import RNGState, assign_in_place, object_kind
@@ -99,6 +99,7 @@ class Session:
         self._keeper: KeeperClient | None = None
         self._snapshotter: Snapshotter | None = None
         self._collective: Collective | None = None
+        self._store_address = (self.context.master_addr, self.context.master_port)
         self._membership: EtcdMembership | None = None
         self._watcher: GenerationWatcher | None = None
         self._heartbeat: threading.Thread | None = None
@@ -358,6 +359,12 @@ class Session:
                          f"{assignment.worker if assignment else 'nobody'}, not "
                          f"{self.context.worker_id}")
         self._apply_restore(plan.restore_step, assignment.sources, plan.generation)
+        if plan.store is not None and plan.store != self._store_address:
+            self._store_address = plan.store      # a standby coordinator took over
+            host, port = plan.store
+            log.warning("event=store_moved rank=%d store=%s:%d", self.rank, host, port)
+            self._collective.use_store(
+                lambda: connect_store_at(host, port, self.context.group_timeout_s))
         try:
             self._collective.form(plan.generation, world_size=plan.world_size,
                                   should_abort=self._superseded(plan.generation))

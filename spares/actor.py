@@ -34,6 +34,7 @@ class WorkerActor:
         if warmup:
             load_entrypoint(warmup)()  # the user's optional spares.warmup hook
         self._rank = -1
+        self._outcome: dict[str, Any] | WorkerFailed | None = None
 
     def ping(self) -> dict[str, Any]:
         """Who and where this actor is (pid, Ray node)."""
@@ -56,11 +57,22 @@ class WorkerActor:
             text = traceback.format_exc()
             sys.stderr.write(text)
             sys.stderr.flush()
-            raise WorkerFailed(self._rank, f"{type(exc).__name__}: {exc}", text) from None
+            self._outcome = WorkerFailed(self._rank, f"{type(exc).__name__}: {exc}", text)
+            raise self._outcome from None
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-        return {"rank": self._rank, "pid": os.getpid(), "result": result}
+        self._outcome = {"rank": self._rank, "pid": os.getpid(), "result": result}
+        return self._outcome
+
+    def result(self) -> dict[str, Any] | None:
+        """What ``run`` returned (or raise what it raised). A standby coordinator that took
+        over calls this: it queues behind the ``run`` in progress, so it answers when the
+        entrypoint ends, or fails with ``RayActorError`` when the actor dies. None when
+        ``run`` was never called."""
+        if isinstance(self._outcome, WorkerFailed):
+            raise self._outcome
+        return self._outcome
 
 
 def _warm_torch() -> None:

@@ -21,6 +21,7 @@ class Spare:
     node: int
     actor: Any
     ready: Any  # ObjectRef of the warm-up ping
+    name: str = ""   # the actor's name in the job's Ray namespace
 
 
 class SparePool:
@@ -28,7 +29,8 @@ class SparePool:
     starts replacements on the nodes that are still alive."""
 
     def __init__(self, count: int, entrypoint: str, torch_threads: int, warmup: str,
-                 cpus: float, node_resource: Callable[[int], str], job: str) -> None:
+                 cpus: float, node_resource: Callable[[int], str], job: str,
+                 detached: bool = False) -> None:
         self._count = count
         self._entrypoint = entrypoint
         self._threads = torch_threads
@@ -38,6 +40,7 @@ class SparePool:
         self._job = job
         self._spares: dict[str, Spare] = {}
         self._serial = 0
+        self._lifetime = {"lifetime": "detached"} if detached else {}
 
     def start(self, nodes: list[int]) -> "SparePool":
         for index in range(self._count):
@@ -47,13 +50,33 @@ class SparePool:
     def _add(self, node: int) -> Spare:
         spare_id = f"spare{self._serial}"
         self._serial += 1
+        name = f"{self._job}-{spare_id}"
         actor = WorkerActor.options(
-            num_cpus=self._cpus, resources={self._node_resource(node): 1},
-            name=f"{self._job}-{spare_id}").remote(self._entrypoint, self._threads, self._warmup)
-        spare = Spare(spare_id, node, actor, actor.ping.remote())
+            num_cpus=self._cpus, resources={self._node_resource(node): 1}, name=name,
+            **self._lifetime).remote(self._entrypoint, self._threads, self._warmup)
+        spare = Spare(spare_id, node, actor, actor.ping.remote(), name)
         self._spares[spare_id] = spare
         log.info("event=spare_started spare=%s node=%d", spare_id, node)
         return spare
+
+    def adopt(self, spares: dict[str, dict[str, Any]], serial: int) -> "SparePool":
+        """Take over the spares another launcher started (``describe()``'s output): found
+        by name; one that is gone is dropped and replaced by ``refill``."""
+        self._serial = serial
+        for spare_id, info in spares.items():
+            try:
+                actor = ray.get_actor(info["actor"])
+            except ValueError:
+                log.warning("event=spare_gone spare=%s", spare_id)
+                continue
+            self._spares[spare_id] = Spare(spare_id, int(info["node"]), actor,
+                                           actor.ping.remote(), info["actor"])
+        return self
+
+    def describe(self) -> tuple[dict[str, dict[str, Any]], int]:
+        """spare id → {node, actor name}, and the next serial: what a successor adopts."""
+        return ({s.spare_id: {"node": s.node, "actor": s.name} for s in self._spares.values()},
+                self._serial)
 
     def inventory(self, live_nodes: set[int]) -> dict[str, int]:
         """spare id → node of every spare that is warm and on a live node."""
@@ -84,6 +107,11 @@ class SparePool:
                 if spare.node in used:
                     used[spare.node] += 1
             self._add(min(live_nodes, key=lambda n: (used[n], n)))
+
+    def discard(self, name: str) -> None:
+        """Drop the spare whose actor is ``name`` (a standby found it already promoted)."""
+        for spare_id in [i for i, s in self._spares.items() if s.name == name]:
+            self._spares.pop(spare_id)
 
     def forget_node(self, node: int) -> None:
         for spare_id in [i for i, s in self._spares.items() if s.node == node]:

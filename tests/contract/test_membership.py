@@ -203,3 +203,27 @@ def test_put_leased_vanishes_with_the_lease(membership_factory: MembershipFactor
     assert observer.get("keepers/node0").value == b'{"x": 2}'
     keeper.leave()
     assert observer.get("keepers/node0") is None
+
+
+@pytest.mark.timeout(30)
+def test_create_leased_elects_one_holder_until_its_lease_ends(
+        membership_factory: MembershipFactory) -> None:
+    leader, standby = membership_factory(), membership_factory()
+    assert leader.create_leased("coordinator", b"leader", ttl_s=1)
+    assert not standby.create_leased("coordinator", b"standby", ttl_s=1)
+    found = standby.get("coordinator")
+    assert found is not None and found.value == b"leader"
+    assert leader.lease_lost == "" and standby.lease_lost == ""
+
+    leader._stop_keepalive()  # type: ignore[attr-defined]  # the leader died
+
+    assert membership_factory.pass_time_until(lambda: standby.get("coordinator") is None,
+                                              within_s=1 + 1.0)
+    assert standby.create_leased("coordinator", b"standby", ttl_s=1)
+    found = leader.get("coordinator")
+    assert found is not None and found.value == b"standby"
+
+    membership_factory.force_expire(standby)     # cut off from etcd past its TTL
+
+    assert eventually(lambda: standby.lease_lost != "")
+    assert standby.get("coordinator") is None
