@@ -255,6 +255,9 @@ class SparesConfig:
 class DetectionConfig:
     stall_timeout_s: float = doc("a rank whose step does not advance this long is hung", 10.0)
     poll_interval_s: float = doc("how often the coordinator samples progress", 0.1)
+    collective_grace_s: float = doc("a failed collective that no other fault explains (a cut "
+                                    "link) becomes a fault after this long; a dead or lost "
+                                    "peer is reported sooner and absorbs it", 2.0)
     watch_keepers: bool = doc("hold a TCP connection to every keeper: when it ends and both "
                               "the keeper's and the raylet's ports refuse, the node is lost "
                               "at once instead of after Ray's health checks", True)
@@ -262,6 +265,8 @@ class DetectionConfig:
     def __post_init__(self) -> None:
         _require(self.stall_timeout_s > 0, "detection.stall_timeout_s",
                  f"{self.stall_timeout_s} is not positive", "use e.g. 10")
+        _require(self.collective_grace_s > 0, "detection.collective_grace_s",
+                 f"{self.collective_grace_s} is not positive", "use e.g. 2")
         _require(0 < self.poll_interval_s < self.stall_timeout_s, "detection.poll_interval_s",
                  f"{self.poll_interval_s} must be positive and below stall_timeout_s",
                  "use e.g. 0.1")

@@ -35,7 +35,8 @@ from launcher.services import Services, join_services, start_services
 from spares.actor import WorkerActor
 from spares.pool import SparePool
 from recovery.base import FaultReport, WorldView
-from recovery.detection import ActorDied, NodeLost, StallDetector, classify
+from recovery.detection import (ActorDied, CollectiveError, KeeperLeaseExpired, NodeLost,
+                                StallDetector, classify)
 from runtime.context import DEFAULT_PLAN_TIMEOUT_S, WorkerContext
 from runtime.generation import GENERATION_KEY, GenerationPlan, plan_key
 from runtime.placement import Placement
@@ -362,7 +363,8 @@ class JobRunner:
         deadline = time.monotonic() + cfg.job.timeout_s
         total = cfg.job.args.get("steps") if isinstance(cfg.job.args.get("steps"), int) else None
         view = ProgressView(self.console, cfg.job.world_size, total).start()
-        monitor = Monitor(cfg.job.nodes, watch=self._node_watch(coordinator))
+        monitor = Monitor(cfg.job.nodes, watch=self._node_watch(coordinator),
+                          collective_grace_s=cfg.detection.collective_grace_s)
         injector = self._injector(coordinator)
         factor = cfg.replication.factor if cfg.replication.enabled else 0
         commits = CommitTracker(self.services.membership, cfg.job.world_size, factor,
@@ -440,14 +442,23 @@ class JobRunner:
             committed_step=-1)
         now = time.monotonic()
         live = {node_name(n) for n in coordinator.live_nodes}
-        signals = [s for s in polled.signals  # a node already handled is not a new fault
-                   if not isinstance(s, NodeLost) or s.node in live]
+        recovering = coordinator.pending is not None or coordinator.waiting is not None
+        signals = [s for s in polled.signals
+                   if not _stale(s, live, coordinator.generation, recovering)]
         signals += self._signals_at_start       # workers a standby found gone at takeover
         self._signals_at_start = []
         faults = classify(signals, world, now)
         if not faults and coordinator.pending is None and coordinator.waiting is None:
             faults = stall.check(now)     # (ranks waiting for a parked plan are not hung)
         return faults
+
+
+def _stale(signal: Any, live: set[str], generation: int, recovering: bool) -> bool:
+    """A signal about a node already handled, or a failed collective that a recovery in
+    progress (or parked) or an older generation explains."""
+    if isinstance(signal, (NodeLost, KeeperLeaseExpired)):
+        return signal.node not in live
+    return isinstance(signal, CollectiveError) and (recovering or signal.generation < generation)
 
 
 def plan_timeout_s(cfg: PhalanxConfig) -> float:

@@ -49,6 +49,7 @@ class CollectiveError:
     reporting_rank: Rank
     observed_at: float
     detail: str = ""
+    generation: int = -1      # the generation whose group failed (-1: unknown)
 
 
 @dataclass(frozen=True)

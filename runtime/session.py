@@ -99,6 +99,7 @@ class Session:
         self._keeper: KeeperClient | None = None
         self._snapshotter: Snapshotter | None = None
         self._collective: Collective | None = None
+        self._collective_error: dict[str, Any] | None = None
         self._store_address = (self.context.master_addr, self.context.master_port)
         self._membership: EtcdMembership | None = None
         self._watcher: GenerationWatcher | None = None
@@ -345,6 +346,10 @@ class Session:
         started = time.perf_counter()
         log.warning("event=collective_aborted rank=%d generation=%d reason=%r", self.rank,
                     self.generation, reason)
+        # told to the coordinator with the next heartbeat (sent at once): a failed group
+        # with no other fault to explain it (a cut link) is a fault of its own
+        self._collective_error = {"generation": self.generation, "detail": reason[:200]}
+        self._wake.set()
         assert self._collective is not None and self._watcher is not None
         self._collective.abandon()
         if self._snapshotter is not None:
@@ -372,6 +377,7 @@ class Session:
             self._recover(str(exc))
             return
         self.generation = plan.generation
+        self._collective_error = None
         self._awaiting_first_step = True
         self.recoveries += 1
         log.warning("event=rank_rejoined rank=%d generation=%d restore_step=%d seconds=%.3f",
@@ -395,7 +401,8 @@ class Session:
         return MemberRecord(worker_id=ctx.worker_id, rank=ctx.rank, node=ctx.node,
                             step=self._progress.step_index, generation=self.generation,
                             pid=os.getpid(), extra={"state": state, "time": time.time(),
-                                                    "first_step_at": self._first_step_at})
+                                                    "first_step_at": self._first_step_at,
+                                                    "collective_error": self._collective_error})
 
     def _beat(self) -> None:
         """Heartbeat thread: refresh our member record (progress) every heartbeat."""
@@ -404,7 +411,8 @@ class Session:
         while not self._stop.is_set():
             self._wake.wait(self.context.heartbeat_s)
             self._wake.clear()
-            current = (self._progress.step_index, self.generation, self._first_step_at)
+            current = (self._progress.step_index, self.generation, self._first_step_at,
+                       self._collective_error)
             if current == last:
                 continue
             last = current
