@@ -30,7 +30,9 @@ from launcher.node_watch import NodeWatch
 from launcher.progress import ProgressView
 from launcher.ray_cluster import node_resource, raylet_addresses
 from launcher.rundir import RunDir
-from launcher.leadership import JobState, LeadershipLost, publish_state, read_state
+from launcher.leadership import JobState, LeadershipLost, read_state
+from launcher.takeover import (StatePublisher, adopt_keepers, adopt_workers, job_state,
+                               keeper_actor_name, resume_coordinator)
 from launcher.services import Services, join_services, start_services
 from spares.actor import WorkerActor
 from spares.pool import SparePool
@@ -38,8 +40,7 @@ from recovery.base import FaultReport, WorldView
 from recovery.detection import (ActorDied, CollectiveError, KeeperLeaseExpired, NodeLost,
                                 StallDetector, classify)
 from runtime.context import DEFAULT_PLAN_TIMEOUT_S, WorkerContext
-from runtime.generation import GENERATION_KEY, GenerationPlan, plan_key
-from runtime.placement import Placement
+from runtime.generation import GENERATION_KEY
 from runtime.tier_config import read_job_secret
 from runtime.session import FINISHED_PREFIX
 from runtime.shm import check_capacity, memory_plan
@@ -76,7 +77,7 @@ class JobRunner:
         self.standby = standby
         self.handed_over = False   # lost the lease: leave the job's actors to the successor
         self._lifetime = {"lifetime": "detached"} if cfg.coordinator.standby else {}
-        self._published = b""
+        self._publisher: StatePublisher | None = None
         self._signals_at_start: list[ActorDied] = []
         if standby and not cfg.coordinator.standby:
             raise ConfigError("coordinator.standby", "false, but --standby was given",
@@ -100,7 +101,7 @@ class JobRunner:
             run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
                            "etcd_prefix": self.cfg.etcd.prefix, "launcher_pid": os.getpid(),
                            "world_size": self.cfg.job.world_size})
-            self.services, self._stack = services, stack
+            self._use(services, stack)
             self._start_keepers(services, run, stack)
             events = EventLog(run.path / "events.jsonl", services.membership)
             stack.callback(events.close)     # before the membership closes (LIFO)
@@ -141,23 +142,31 @@ class JobRunner:
                 f"phalanx: job {cfg.job.name} is led by pid {holder.get('pid')} on "
                 f"{holder.get('host')}; standing by"))
             started = time.monotonic()
-            self.services, self._stack = services, stack
+            self._use(services, stack)
             state = read_state(services.membership)
             run = RunDir(Path(state.run_dir))
             self.secret_hex = job_secret(cfg, run).hex()
-            self._adopt_keepers(state, stack)
+            self.keepers = adopt_keepers(state)
+            for actor, _ in self.keepers.values():
+                stack.callback(self._close_keeper, actor)
             events = EventLog(run.path / "events.jsonl", services.membership)
             stack.callback(events.close)
             pool = self._start_spares(stack, state)
             coordinator = self._coordinator(run, services, events, pool)
             current = services.membership.get(GENERATION_KEY)
-            coordinator.generation = int(current.value) if current else state.generation
-            coordinator.live_nodes = {n for n in state.live_nodes
-                                      if n in self.keepers or not cfg.snapshot.enabled}
-            coordinator.recoveries, coordinator.history = state.recoveries, list(state.history)
-            if state.holders:
-                coordinator.placement = Placement({r: tuple(h) for r, h in state.holders.items()})
-            slots = self._adopt_workers(state, coordinator.generation, pool)
+            generation = int(current.value) if current else state.generation
+            resume_coordinator(coordinator, state, generation,
+                               set(self.keepers) if cfg.snapshot.enabled else None)
+            slots, self._signals_at_start, doomed = adopt_workers(
+                state, generation, services.membership, cfg.job.name)
+            for slot in slots.values():
+                if slot.actor is not None:
+                    stack.callback(self._release_actor, slot.actor)
+            for name in doomed:      # replacements a dead leader may have started
+                with contextlib.suppress(ValueError):
+                    _kill_actor(ray.get_actor(name))
+                if pool is not None:
+                    pool.discard(name)
             events.emit("coordinator_takeover", pid=os.getpid(), generation=coordinator.generation,
                         state_generation=state.generation, run_dir=str(run.path),
                         lost_at_takeover=[s.worker_id for s in self._signals_at_start])
@@ -165,72 +174,17 @@ class JobRunner:
                                f"{coordinator.generation} (run directory {run.path})")
             return self._finish(run, slots, coordinator, started)
 
-    def _adopt_keepers(self, state: JobState, stack: contextlib.ExitStack) -> None:
-        for node, info in sorted(state.keepers.items()):
-            try:
-                actor = ray.get_actor(info["actor"])
-            except ValueError:    # gone with its node: the node is lost
-                continue
-            stack.callback(self._close_keeper, actor)
-            self.keepers[node] = (actor, (info["host"], int(info["port"])))
-
-    def _adopt_workers(self, state: JobState, generation: int,
-                       pool: SparePool | None) -> dict[int, RankSlot]:
-        """The leader's workers, each watched through ``result`` (it answers when the
-        entrypoint ends, or fails when the actor dies). A worker that is gone, or any rank
-        the newest plan moved after the state was published (the leader died mid-recovery),
-        becomes a fault on the first poll."""
-        planned = {}
-        if generation != state.generation:
-            found = self.services.membership.get(plan_key(generation))
-            planned = GenerationPlan.from_json(found.value).ranks if found else {}
-        slots = {}
-        for rank, info in sorted(state.slots.items()):
-            slot = RankSlot(rank, info["worker_id"], int(info["node"]), None, name=info["actor"])
-            moved = rank in planned and planned[rank].worker != slot.worker_id
-            try:
-                slot.actor = ray.get_actor(info["actor"])
-            except ValueError:
-                moved = True
-            if moved:
-                self._signals_at_start.append(ActorDied(slot.worker_id, time.monotonic(),
-                                                        "gone when the standby took over"))
-                if rank in planned:   # a replacement the dead leader may have started
-                    self._kill_named(f"{self.cfg.job.name}-{planned[rank].worker}", pool)
-            else:
-                slot.ref = slot.actor.result.remote()
-                self._stack.callback(self._release_actor, slot.actor)
-            slots[rank] = slot
-        return slots
-
-    def _kill_named(self, name: str, pool: SparePool | None) -> None:
-        with contextlib.suppress(ValueError):
-            _kill_actor(ray.get_actor(name))
-        if pool is not None:
-            pool.discard(name)
+    def _use(self, services: Services, stack: contextlib.ExitStack) -> None:
+        self.services, self._stack = services, stack
+        if self.cfg.coordinator.standby:
+            self._publisher = StatePublisher(services.membership)
 
     def _publish_state(self, run: RunDir, slots: dict[int, RankSlot],
                        coordinator: RecoveryCoordinator) -> None:
-        """Publish what a standby needs, when it changed (only with coordinator.standby)."""
-        if not self.cfg.coordinator.standby:
-            return
-        pool = coordinator.pool
-        spares, serial = pool.describe() if pool is not None else ({}, 0)
-        state = JobState(
-            run_dir=str(run.path), generation=coordinator.generation,
-            slots={r: {"worker_id": s.worker_id, "node": s.node, "actor": s.name}
-                   for r, s in slots.items()},
-            keepers={n: {"actor": f"{self.cfg.job.name}-keeper{n}", "host": addr[0],
-                         "port": addr[1]} for n, (_, addr) in self.keepers.items()},
-            spares=spares, spare_serial=serial, live_nodes=sorted(coordinator.live_nodes),
-            recoveries=coordinator.recoveries,
-            holders={int(r): list(h) for r, h in coordinator.placement.holders.items()}
-            if coordinator.placement else {},
-            history=coordinator.history)
-        encoded = state.to_json()
-        if encoded != self._published:
-            publish_state(self.services.membership, state)
-            self._published = encoded
+        """What a standby needs, when it changed (only with coordinator.standby)."""
+        if self._publisher is not None:
+            self._publisher.publish(job_state(str(run.path), self.cfg.job.name, slots,
+                                              self.keepers, coordinator))
 
     def _coordinator(self, run: RunDir, services: Services, events: EventLog,
                      pool: SparePool | None) -> RecoveryCoordinator:
@@ -268,7 +222,7 @@ class JobRunner:
         actors = {}
         for node in range(self.cfg.job.nodes):
             actor = KeeperActor.options(resources={node_resource(node): 1},
-                                        name=f"{self.cfg.job.name}-keeper{node}",
+                                        name=keeper_actor_name(self.cfg.job.name, node),
                                         **self._lifetime).remote(
                 node_name(node), config_yaml, self.secret_hex, services.etcd_endpoints,
                 str(run.path), [r for r in range(self.cfg.job.world_size)

@@ -15,13 +15,11 @@ from launcher.coordinator import RankSlot
 from launcher.keeper_actor import node_name
 from launcher.node_watch import NodeWatch
 from launcher.ray_cluster import node_indices
-from recovery.detection import (ActorDied, CollectiveError, KeeperLeaseExpired, LeaseLost,
-                                NodeLost, Progress, Signal)
+from recovery.detection import ActorDied, CollectiveError, LeaseLost, NodeLost, Progress, Signal
 from runtime.base import MemberRecord
 
 log = logging.getLogger(__name__)
 FINISH_GRACE_S = 0.5
-KEEPER_PREFIX = "keeper."     # worker id of a keeper's member record: keeper.<node>
 
 
 @dataclass
@@ -40,7 +38,6 @@ class Monitor:
         self._watch = watch
         self._collective_grace_s = collective_grace_s
         self._collective: dict[tuple[str, int], float] = {}  # (worker, generation) → seen
-        self._keepers: set[str] = set()
         self._node_check_s = node_check_s
         self._last_node_check = 0.0
         self._seen: dict[str, MemberRecord] = {}
@@ -67,7 +64,6 @@ class Monitor:
         self._lease_signals(slots, done_ranks | set(result.finished), members, now, result,
                             finished)
         self._node_signals(now, result)
-        self._keeper_signals(members, now, result)
         for record in members.values():
             if record.rank >= 0 and slots.get(record.rank) and \
                     slots[record.rank].worker_id == record.worker_id:
@@ -87,14 +83,6 @@ class Monitor:
             self._collective[key] = -1.0       # reported once
             result.signals.append(CollectiveError(record.rank, first, str(error.get("detail")),
                                                   record.generation))
-
-    def _keeper_signals(self, members: Mapping[str, MemberRecord], now: float,
-                        result: PollResult) -> None:
-        """A keeper whose member key vanished lost its lease: its node is gone or cut off."""
-        present = {w for w in members if w.startswith(KEEPER_PREFIX)}
-        for gone in sorted(self._keepers - present):
-            result.signals.append(KeeperLeaseExpired(gone.removeprefix(KEEPER_PREFIX), now))
-        self._keepers = present
 
     def _lease_signals(self, slots: Mapping[int, RankSlot], done: set[int],
                        members: Mapping[str, MemberRecord], now: float, result: PollResult,

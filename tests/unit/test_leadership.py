@@ -3,6 +3,7 @@ adapter passes the same create_leased contract in tests/contract/test_membership
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -25,6 +26,9 @@ def test_one_leader_and_a_standby_that_takes_over_when_its_lease_ends() -> None:
     waiter = threading.Thread(target=standby.wait, kwargs={"poll_s": 0.01,
                                                             "on_waiting": seen.append})
     waiter.start()
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:   # the standby saw who leads
+        time.sleep(0.01)
     leader._membership._stop_keepalive()      # the leader process died
     store.advance(3)
     waiter.join(timeout=10)

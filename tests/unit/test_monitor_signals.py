@@ -1,5 +1,5 @@
-"""The launcher's Monitor turns member records into signals: a rank's failed collective
-(after a grace, once, only in its current generation) and a keeper's vanished lease."""
+"""The launcher's Monitor turns a rank's failed collective, reported in its member record,
+into a signal: after a grace, once, only in its current generation."""
 from __future__ import annotations
 
 import time
@@ -19,10 +19,6 @@ def worker(rank: int, generation: int, error_generation: int | None = None) -> M
         extra["collective_error"] = {"generation": error_generation, "detail": "peer reset"}
     return MemberRecord(worker_id=f"w{rank}", rank=rank, node="node0", step=5,
                         generation=generation, extra=extra)
-
-
-def keeper(node: str) -> MemberRecord:
-    return MemberRecord(worker_id=f"keeper.{node}", rank=-1, node=node)
 
 
 def poll(monitor: Monitor, members: dict[str, MemberRecord]) -> list:
@@ -49,14 +45,6 @@ def test_an_error_of_an_older_generation_is_no_signal() -> None:
     poll(monitor, members)
     time.sleep(GRACE_S * 2)
     assert poll(monitor, members) == []
-
-
-def test_a_vanished_keeper_lease_is_a_signal_for_its_node() -> None:
-    monitor = Monitor(2, node_check_s=1e9)
-    assert poll(monitor, {"keeper.node0": keeper("node0"), "keeper.node1": keeper("node1")}) == []
-    signals = poll(monitor, {"keeper.node0": keeper("node0")})
-    assert [type(s) for s in signals] == [KeeperLeaseExpired] and signals[0].node == "node1"
-    assert poll(monitor, {"keeper.node0": keeper("node0")}) == []
 
 
 def test_signals_about_handled_nodes_and_old_generations_are_stale() -> None:
