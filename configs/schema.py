@@ -242,9 +242,29 @@ class SparesConfig:
     on_exhausted: Literal["restart", "wait", "fail"] = doc(
         "when no spare is left: restart a fresh actor, wait for one, or fail", "restart")
     wait_timeout_s: float = doc("deadline of on_exhausted: wait", 60.0)
+    resources: dict[str, float] = doc(
+        "Ray resources each spare asks for besides its node's: CPU and GPU become num_cpus "
+        "and num_gpus (CPU defaults to job.cpus_per_worker), other names are custom "
+        "resources", factory=dict)
+    placement: Literal["spread", "nodes"] = doc(
+        "spread: over every live node, the least used first; nodes: only on spares.nodes "
+        "(dedicated spare nodes)", "spread")
+    nodes: list[int] = doc("node indices spares may use with placement: nodes", factory=list)
+    replenish: bool = doc("start a replacement spare in the background after each promotion "
+                          "(false: the pool shrinks; a parked 'wait' recovery still starts "
+                          "the spares it needs)", True)
 
     def __post_init__(self) -> None:
         _require(self.count >= 0, "spares.count", f"{self.count} is negative", "use 0 or more")
+        for name, amount in self.resources.items():
+            _require(isinstance(amount, (int, float)) and not isinstance(amount, bool)
+                     and amount > 0, f"spares.resources.{name}", f"{amount!r} is not a positive "
+                     "number", "give an amount such as 1 or 0.5")
+        _require(self.placement in ("spread", "nodes"), "spares.placement",
+                 f"{self.placement!r} is unknown", "use spread or nodes")
+        _require(self.placement != "nodes" or bool(self.nodes), "spares.nodes",
+                 "empty, but spares.placement is nodes", "list the node indices for spares, "
+                 "e.g. [2, 3], or use placement: spread")
         _require(self.on_exhausted in ("restart", "wait", "fail"), "spares.on_exhausted",
                  f"{self.on_exhausted!r} is unknown", "use restart, wait or fail")
         _require(self.wait_timeout_s > 0, "spares.wait_timeout_s",
@@ -338,12 +358,16 @@ class PhalanxConfig:
             _require(self.job.nodes <= self.ray.virtual_nodes, "job.nodes",
                      f"{self.job.nodes} nodes but ray.virtual_nodes is {self.ray.virtual_nodes}",
                      "raise ray.virtual_nodes or lower job.nodes")
-            need = (self.job.world_size + self.spares.count) * self.job.cpus_per_worker
+            spare_cpus = self.spares.resources.get("CPU", self.job.cpus_per_worker)
+            need = self.job.world_size * self.job.cpus_per_worker + self.spares.count * spare_cpus
             have = self.ray.virtual_nodes * self.ray.cpus_per_node
             _require(need <= have, "job.world_size",
                      f"{self.job.world_size} workers + {self.spares.count} spares x "
                      f"{self.job.cpus_per_worker} CPUs = {need} CPUs, the Ray cluster offers {have}",
                      "lower job.cpus_per_worker or spares.count, or raise ray.cpus_per_node")
+        bad = [n for n in self.spares.nodes if not 0 <= n < self.job.nodes]
+        _require(not bad, "spares.nodes", f"{bad} are not node indices of a {self.job.nodes}-node "
+                 "job", f"use indices 0..{self.job.nodes - 1}")
         if self.replication.enabled and self.replication.factor > 0:
             _require(self.replication.factor <= self.job.nodes - 1, "replication.factor",
                      f"{self.replication.factor} replicas need {self.replication.factor + 1} nodes, "

@@ -241,7 +241,9 @@ class JobRunner:
             return None
         pool = SparePool(cfg.spares.count, self.entrypoint, cfg.job.torch_threads,
                          cfg.spares.warmup, cfg.job.cpus_per_worker, node_resource, cfg.job.name,
-                         detached=cfg.coordinator.standby)
+                         detached=cfg.coordinator.standby, resources=cfg.spares.resources,
+                         nodes=cfg.spares.nodes if cfg.spares.placement == "nodes" else None,
+                         replenish=cfg.spares.replenish)
         stack.callback(lambda: None if self.handed_over else pool.close())
         if adopt is not None:
             return pool.adopt(adopt.spares, adopt.spare_serial)
@@ -330,7 +332,7 @@ class JobRunner:
         self._publish_state(run, slots, coordinator)
         try:
             while len(results) < cfg.job.world_size:
-                self.services.leadership.check()
+                self._check_leadership()
                 members = self.services.membership.members()
                 polled = monitor.poll(slots, set(results), members,
                                       timeout_s=cfg.detection.poll_interval_s,
@@ -370,6 +372,18 @@ class JobRunner:
                           self.cfg.job.name, lambda: coordinator.generation)
         self._stack.callback(watch.close)
         return watch.start()
+
+    def _check_leadership(self) -> None:
+        """Raise ``LeadershipLost`` once the coordinator lease is gone and a standby may
+        lead. Without a standby (``coordinator.standby: false``) nobody else can: a lapsed
+        lease (etcd slow, this process starved) is taken again and the job goes on."""
+        leadership = self.services.leadership
+        try:
+            leadership.check()
+        except LeadershipLost as exc:
+            if self.cfg.coordinator.standby or not leadership.try_acquire():
+                raise
+            log.warning("event=coordinator_lease_renewed after=%r", str(exc)[:200])
 
     def _finished_workers(self) -> set[str]:
         """Workers that left membership on purpose (their entrypoint returned)."""

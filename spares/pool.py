@@ -30,7 +30,11 @@ class SparePool:
 
     def __init__(self, count: int, entrypoint: str, torch_threads: int, warmup: str,
                  cpus: float, node_resource: Callable[[int], str], job: str,
-                 detached: bool = False) -> None:
+                 detached: bool = False, resources: dict[str, float] | None = None,
+                 nodes: list[int] | None = None, replenish: bool = True) -> None:
+        """``resources``: what each spare asks Ray for besides its node (CPU and GPU become
+        num_cpus / num_gpus; ``cpus`` is the CPU default); ``nodes``: the only nodes spares
+        may use (None: every node); ``replenish``: refill after promotions."""
         self._count = count
         self._entrypoint = entrypoint
         self._threads = torch_threads
@@ -41,18 +45,29 @@ class SparePool:
         self._spares: dict[str, Spare] = {}
         self._serial = 0
         self._lifetime = {"lifetime": "detached"} if detached else {}
+        extra = dict(resources or {})
+        self._cpus = extra.pop("CPU", cpus)
+        self._gpus = extra.pop("GPU", 0)
+        self._custom = extra
+        self._allowed = set(nodes) if nodes else None
+        self._replenish = replenish
 
     def start(self, nodes: list[int]) -> "SparePool":
-        for index in range(self._count):
-            self._add(nodes[index % len(nodes)])
+        usable = self._usable(nodes)
+        for index in range(self._count if usable else 0):
+            self._add(usable[index % len(usable)])
         return self
+
+    def _usable(self, nodes: list[int]) -> list[int]:
+        return [n for n in nodes if self._allowed is None or n in self._allowed]
 
     def _add(self, node: int) -> Spare:
         spare_id = f"spare{self._serial}"
         self._serial += 1
         name = f"{self._job}-{spare_id}"
         actor = WorkerActor.options(
-            num_cpus=self._cpus, resources={self._node_resource(node): 1}, name=name,
+            num_cpus=self._cpus, num_gpus=self._gpus,
+            resources={self._node_resource(node): 1, **self._custom}, name=name,
             **self._lifetime).remote(self._entrypoint, self._threads, self._warmup)
         spare = Spare(spare_id, node, actor, actor.ping.remote(), name)
         self._spares[spare_id] = spare
@@ -99,9 +114,10 @@ class SparePool:
         """Start spares until the pool holds ``spares.count`` again (or ``at_least``, when
         a parked recovery needs more: Ray starts them as the cluster has room), on the
         least-used live nodes."""
-        if not live_nodes:
+        live_nodes = self._usable(live_nodes)
+        if not live_nodes or (not self._replenish and at_least == 0):
             return
-        while len(self._spares) < max(self._count, at_least):
+        while len(self._spares) < max(self._count if self._replenish else 0, at_least):
             used = {node: 0 for node in live_nodes}
             for spare in self._spares.values():
                 if spare.node in used:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.launching import LaunchResult, launch
+from tests.integration.launching import ROOT, LaunchResult, launch
 from tests.plugins.leaks import Footprint, assert_nothing_left
 
 pytestmark = pytest.mark.integration
@@ -71,6 +73,26 @@ def test_killed_worker_is_replaced_by_a_spare_bit_identically(
     print(f"kill -> first step {record['first_step_at'] - fired[0]['time']:.3f} s, "
           f"phases {record['phases_s']}")
     assert_nothing_left(footprint)
+
+
+@pytest.mark.timeout(400)
+def test_spares_on_dedicated_nodes_without_replenishing(tmp_path: Path,
+                                                        fault_free: LaunchResult) -> None:
+    """spares.placement: nodes keeps the spare on node 0, so rank 1 (node 1) moves there;
+    spares.replenish: false starts no replacement after the promotion."""
+    cmd = [sys.executable, "-m", "launcher.cli", "-v", "launch", str(ROOT / "configs/demo.yaml")]
+    for item in (*JOB, f"job.run_dir={tmp_path}", "spares.count=1", "spares.placement=nodes",
+                 "spares.nodes=[0]", "spares.replenish=false",
+                 "drills.scenario=configs/drills/kill_worker.yaml"):
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = LaunchResult(proc.returncode, proc.stdout, proc.stderr)
+    record = assert_recovered(result, fault_free, replaced_rank=1)
+    promoted = [e for e in events_of(result) if e["event"] == "promoted"]
+    assert [(e["rank"], e["node"]) for e in promoted] == [(1, "node0")]
+    assert record["lost_steps"] <= 1
+    started = re.findall(r"event=spare_started spare=(\S+) node=(\d+)", result.stderr)
+    assert started == [("spare0", "0")], started
 
 
 @pytest.mark.timeout(400)
