@@ -43,7 +43,7 @@ from runtime.context import DEFAULT_PLAN_TIMEOUT_S, WorkerContext
 from runtime.generation import GENERATION_KEY
 from runtime.tier_config import read_job_secret
 from runtime.session import FINISHED_PREFIX
-from runtime.shm import check_capacity, memory_plan
+from runtime.shm import check_capacity, memory_plan, remove_stale, shm_prefix
 
 REPLICA_KEEP = 2  # replica steps a keeper keeps per rank (Keeper's default)
 
@@ -397,8 +397,16 @@ class JobRunner:
         if local is None:
             raise ConfigError("drills.scenario", "node faults need the local Ray",
                               "drill against the embedded cluster (ray.address empty)")
-        return Injector(self.scenario, local.remove_node,
-                        coordinator.events.emit)
+        return Injector(self.scenario, self._remove_node, coordinator.events.emit)
+
+    def _remove_node(self, index: int) -> None:
+        """A drill's node loss on the local Ray: the node's processes die at once, and its
+        keeper's shared memory, which a lost machine takes with it, is unlinked here."""
+        assert self.services.local_ray is not None
+        self.services.local_ray.remove_node(index)
+        removed = remove_stale(self.cfg.snapshot.shm_dir,
+                               shm_prefix(self.cfg.job.name, node_name(index)))
+        log.info("event=node_memory_released node=%s files=%d", node_name(index), len(removed))
 
     def _classify(self, polled: PollResult, slots: dict[int, RankSlot],
                   coordinator: RecoveryCoordinator, stall: StallDetector) -> list[FaultReport]:

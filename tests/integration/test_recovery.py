@@ -128,7 +128,8 @@ def test_no_spare_with_fail_policy_stops_cleanly_naming_the_fault(
 
 
 @pytest.mark.timeout(400)
-def test_killed_node_is_restored_from_replicas(tmp_path: Path, fault_free: LaunchResult) -> None:
+def test_killed_node_is_restored_from_replicas(tmp_path: Path, fault_free: LaunchResult,
+                                              footprint: Footprint) -> None:
     result = launch("configs/demo.yaml", *JOB, "spares.count=2",
                     "drills.scenario=configs/drills/kill_node.yaml", run_root=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -142,6 +143,7 @@ def test_killed_node_is_restored_from_replicas(tmp_path: Path, fault_free: Launc
     assert {"rank_0_w0-g0", "rank_2_w2-g0"} <= set(logs)  # node 0's workers kept running
     # noticed by the keeper watch (keeper and raylet ports refuse), not Ray's health checks
     assert "event=node_gone node=node1" in result.stderr, result.stderr[-3000:]
+    assert_nothing_left(footprint)   # the dead node's shared memory too
 
 
 @pytest.mark.timeout(400)
