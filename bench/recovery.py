@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from runtime.shm import mem_available  # noqa: E402
 from bench.common import (machine_info, markdown_table, median, progress, verdict,  # noqa: E402
                           write_json)
 
@@ -98,17 +99,6 @@ FIT_SHARE = 0.55
 def host_bytes_needed(world: int, state_mib: float) -> int:
     per_rank = state_mib * 2**20 * BYTES_PER_PARAM_BYTE
     return int(per_rank * (world + 1))
-
-
-def mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def unfit_reason(world: int, state_mib: float, available: int | None) -> str | None:

@@ -39,7 +39,6 @@ class SparePool:
         self._entrypoint = entrypoint
         self._threads = torch_threads
         self._warmup = warmup
-        self._cpus = cpus
         self._node_resource = node_resource
         self._job = job
         self._spares: dict[str, Spare] = {}
