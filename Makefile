@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/phalanx drill configs/drills/kill_worker.yaml --config configs/demo.yaml
+	$(VENV)/bin/phalanx drill run configs/drills/kill_worker.yaml --config configs/demo.yaml --verify
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

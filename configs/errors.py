@@ -72,6 +72,10 @@ class WorkerFailed(FatalError):
         return f"rank {self.rank} failed: {self.message}\n{self.traceback_text}".rstrip()
 
 
+class InjectedFault(RuntimeError):
+    """Raised inside a worker's step by a drill's ``worker_exception`` fault (SIGUSR1)."""
+
+
 class ServiceStartError(FatalError):
     """An embedded service (etcd, Ray) did not start or did not become healthy."""
 

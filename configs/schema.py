@@ -281,8 +281,24 @@ class DetectionConfig:
     watch_keepers: bool = doc("hold a TCP connection to every keeper: when it ends and both "
                               "the keeper's and the raylet's ports refuse, the node is lost "
                               "at once instead of after Ray's health checks", True)
+    compare_replicas: bool = doc(
+        "silent data corruption: at every snapshot step the ranks compare a digest of the "
+        "checksums of their replicated state (replicated_state) in one small all-reduce; a "
+        "rank that differs from the others is repaired from a healthy peer and every rank "
+        "rolls back to the newest step that agreed (kept in the keepers until a newer one "
+        "agrees); the commit point advances only over agreeing steps. Needs "
+        "snapshot.slots >= 3", True)
+    replicated_state: list[str] = doc(
+        "names given to session.register() whose state is identical on every rank of a "
+        "data-parallel job (model, optimizer); names a job does not register are ignored, "
+        "per-rank state (RNGs, data cursors, extras) is never compared",
+        factory=lambda: ["model", "optimizer"])
 
     def __post_init__(self) -> None:
+        for name in self.replicated_state:
+            _require(isinstance(name, str) and bool(name) and not name.startswith("__"),
+                     "detection.replicated_state", f"{name!r} is not a registered name",
+                     "list names given to session.register(), e.g. [model, optimizer]")
         _require(self.stall_timeout_s > 0, "detection.stall_timeout_s",
                  f"{self.stall_timeout_s} is not positive", "use e.g. 10")
         _require(self.collective_grace_s > 0, "detection.collective_grace_s",
@@ -312,12 +328,17 @@ class RecoveryConfig:
     max_recoveries: int = doc("give up after this many recoveries in one run", 20)
     group_timeout_s: float = doc("timeout of the gloo process group's collectives", 30.0)
     can_shrink: bool = doc("the job may continue with fewer ranks", False)
+    on_worker_exception: str = doc("a rank whose entrypoint raises: replace (a spare takes it "
+                                   "from the committed step; the same rank raising again at "
+                                   "the same step fails the job) or fail", "replace")
 
     def __post_init__(self) -> None:
         _require(self.max_recoveries >= 0, "recovery.max_recoveries",
                  f"{self.max_recoveries} is negative", "use e.g. 20")
         _require(self.group_timeout_s >= 1, "recovery.group_timeout_s",
                  f"{self.group_timeout_s} is below 1 s", "use e.g. 30")
+        _require(self.on_worker_exception in ("replace", "fail"), "recovery.on_worker_exception",
+                 f"{self.on_worker_exception!r} is not replace or fail", "use replace or fail")
 
 
 @dataclass(frozen=True)
@@ -373,6 +394,11 @@ class PhalanxConfig:
                      f"{self.replication.factor} replicas need {self.replication.factor + 1} nodes, "
                      f"job.nodes is {self.job.nodes}",
                      "raise job.nodes or lower replication.factor (or disable replication)")
+        _require(not (self.detection.compare_replicas and self.snapshot.enabled)
+                 or self.snapshot.slots >= 3, "detection.compare_replicas",
+                 f"true, but snapshot.slots is {self.snapshot.slots}: the newest verified "
+                 "step needs a slot of its own", "use snapshot.slots: 3 or more, or set "
+                 "detection.compare_replicas: false")
         _require(self.detection.stall_timeout_s > self.etcd.heartbeat_s * 2,
                  "detection.stall_timeout_s",
                  f"{self.detection.stall_timeout_s} is not above 2 x etcd.heartbeat_s",

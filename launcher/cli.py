@@ -11,6 +11,7 @@ from rich.console import Console
 
 from configs.errors import ConfigError, PhalanxError, WorkerFailed
 from launcher.ckpt_commands import add_ckpt_parser, run_ckpt
+from launcher.drill_commands import add_drill_parser
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 
@@ -30,12 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show members, snapshots and the commit point of a "
                             "running job")
     status.add_argument("run_dir", nargs="?", help="run directory (default: the newest run)")
-    drill = sub.add_parser("drill", help="run a job fault-free and with a drill scenario, "
-                           "then check recovery time, lost steps and bit-identical results")
-    drill.add_argument("scenario", help="drill file (e.g. configs/drills/kill_worker.yaml)")
-    drill.add_argument("--config", default="configs/demo.yaml", help="job config to drill")
-    drill.add_argument("--set", dest="overrides", action="append", default=[],
-                       metavar="KEY=VALUE", help="override a config key (repeatable)")
+    add_drill_parser(sub)
     add_ckpt_parser(sub)
     return parser
 
@@ -49,10 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "launch":
             return _launch(args, console)
         if args.command == "drill":
-            from configs.loader import load_config
-            from launcher.drill_report import run_drill
-            load_config(args.config, args.overrides)  # bad input fails before any run
-            return run_drill(args.config, args.overrides, args.scenario, console)
+            from launcher.drill_commands import run_drill_command
+
+            return run_drill_command(args, console)
         if args.command == "ckpt":
             return run_ckpt(args, console)
         if args.command == "status":
@@ -85,6 +80,11 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
     from launcher.job import JobRunner  # imports Ray and torch: only when launching
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.drills.scenario:     # a scenario's own config overrides; the command line wins
+        from launcher.drills import load_scenario
+
+        scenario = load_scenario(cfg.drills.scenario)
+        cfg = load_config(args.config, [*scenario.override_args(), *args.overrides])
     result = JobRunner(cfg, console, standby=args.standby).run()
     hashes = {rank: (value.get("result") or {}).get("hash") for rank, value in result.results.items()
               if isinstance(value, dict)}

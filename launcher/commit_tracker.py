@@ -8,8 +8,9 @@ import time
 
 from configs.errors import MembershipUnavailable
 from runtime.base import Membership
-from runtime.commit import COMMIT_KEY, KeeperReport, commit_value, committed_step
+from runtime.commit import COMMIT_KEY, KeeperReport, commit_value, committed_step, gate
 from runtime.keeper_reporter import KEEPERS
+from runtime.replica_digest import verified_ceiling
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,8 @@ def read_reports(membership: Membership) -> dict[str, KeeperReport]:
 
 
 class CommitTracker:
-    """Owned by the launcher's main thread; ``poll`` is cheap (one etcd range read)."""
+    """Owned by the launcher's main thread; ``poll`` is cheap (two etcd range reads: the
+    keepers' reports and, for the replica gate, the members' records)."""
 
     def __init__(self, membership: Membership, world_size: int, factor: int,
                  every_steps: int, every_s: float = 5.0, read_every_s: float = 0.5) -> None:
@@ -42,6 +44,9 @@ class CommitTracker:
         self._last_read = now
         try:
             step = committed_step(read_reports(self._membership), self._ranks, self._factor)
+            # never past a step the ranks' replica digests have not all agreed on
+            step = gate(step, verified_ceiling(
+                r.extra for r in self._membership.members().values() if r.rank >= 0))
         except MembershipUnavailable as exc:
             log.warning("event=commit_read_failed error=%s", exc)
             return self.committed
@@ -49,6 +54,10 @@ class CommitTracker:
         due = self.committed >= self._written + self._every_steps or (
             self.committed > self._written and now - self._written_at >= self._every_s)
         if due:
-            self._membership.put(COMMIT_KEY, commit_value(self.committed, time.time()))
+            try:
+                self._membership.put(COMMIT_KEY, commit_value(self.committed, time.time()))
+            except MembershipUnavailable as exc:   # written at a later poll
+                log.warning("event=commit_write_failed step=%d error=%s", self.committed, exc)
+                return self.committed
             self._written, self._written_at = self.committed, now
         return self.committed

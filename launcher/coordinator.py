@@ -19,8 +19,8 @@ from configs.schema import PhalanxConfig
 from launcher.events import EventLog
 from launcher.keeper_actor import node_name
 from recovery.base import (Abort, FaultKind, FaultReport, PromoteSpare, RecoveryPlan,
-                           ReplicaMap, RestartWorker, RestoreFromKeeper, RestoreFromTier,
-                           Rollback, SpareInventory, TierInventory, WaitForCapacity, WorldView)
+                           RepairFromPeer, ReplicaMap, RestartWorker, RestoreFromKeeper,
+                           RestoreFromTier, Rollback, SpareInventory, TierInventory, WaitForCapacity, WorldView)
 from recovery.phases import Phase, PhaseMachine
 from recovery.planner import RecoveryPolicy, plan_recovery
 from runtime.base import MemberRecord, Membership
@@ -104,6 +104,8 @@ class RecoveryCoordinator:
         self.history: list[dict[str, Any]] = []
         self.waiting: Waiting | None = None
         self.store_address: tuple[str, int] | None = None   # this launcher's TCPStore
+        self.routes: dict[int, tuple[str, int]] = {}   # node -> where its replicas go (drills)
+        self.holders_before: dict[int, dict[int, list[str]]] = {}  # generation -> replica holders
 
     def fence_initial(self) -> None:
         if not self.membership.compare_and_swap(GENERATION_KEY, 0, b"0"):
@@ -122,7 +124,7 @@ class RecoveryCoordinator:
                 [node_name(n) for n in live], factor), previous=self.placement)
             self.placement = placement
             holders = {int(r): list(h) for r, h in placement.holders.items()}
-        addresses = {node_name(n): list(self.keepers[n][1]) for n in live}
+        addresses = {node_name(n): list(self.routes.get(n) or self.keepers[n][1]) for n in live}
         for node in live:
             try:
                 ray.get(self.keepers[node][0].set_targets.remote(
@@ -143,10 +145,16 @@ class RecoveryCoordinator:
         if self.waiting is not None:       # faults while parked join the parked ones
             faults = self.waiting.faults + self.fresh(faults)
         root = min(faults, key=lambda f: f.observed_at)
+        reached = self._reached(slots)
         for fault in faults:
             if not replay:             # a parked recovery planned again: known faults
                 self.events.emit("fault", kind=fault.kind.value, ranks=list(fault.ranks),
                                  node=fault.node, evidence=fault.evidence)
+                if fault.corruption is not None:
+                    found = fault.corruption
+                    self.events.emit("sdc_detected", step=found.step, ranks=list(fault.ranks),
+                                     digests={str(r): d for r, d in found.digests},
+                                     verified_step=found.verified_step)
             if fault.kind is FaultKind.NODE_DIED and fault.node:
                 self._forget_node(fault.node)
         phase_start = len(self.phases.history)
@@ -177,6 +185,8 @@ class RecoveryCoordinator:
             self.phases.transition(Phase.FAILED, plan.reason)
             raise PlanInfeasible(plan.reason)
         self.waiting = None
+        self.holders_before[plan.generation] = {
+            int(r): list(h) for r, h in self.placement.holders.items()} if self.placement else {}
         self.phases.transition(Phase.FENCING, f"generation {plan.generation}")
         self._fence(plan, reports, slots)
         self.phases.transition(Phase.PROMOTING, "plan published")
@@ -184,11 +194,23 @@ class RecoveryCoordinator:
         self.place(slots)
         self.phases.transition(Phase.RESTORING, "workers started")
         self.recoveries += 1
-        newest = max((max(steps) for report in reports.values()
-                      for steps in report.local.values() if steps), default=plan.restore_step)
+        newest = max([plan.restore_step, *(max(steps) for report in reports.values()
+                                           for steps in report.local.values() if steps),
+                      *reached])
         self.pending = Recovery(plan.generation, plan.restore_step, root.observed_at, root,
                                 {"detect": detect_s}, plan.reason, fault_wall,
                                 max(0, newest - plan.restore_step), phase_start)
+
+    def _reached(self, slots: Mapping[int, RankSlot]) -> list[int]:
+        """The steps the ranks had completed when the fault struck (their member records):
+        what a rollback makes them compute again, snapshotted or not."""
+        workers = {slot.worker_id for slot in slots.values()}
+        try:
+            members = self.membership.members()
+        except Exception as exc:  # etcd unreachable: the keepers' newest steps must do
+            log.warning("event=members_unreadable error=%r", exc)
+            return []
+        return [m.step for m in members.values() if m.rank >= 0 and m.worker_id in workers]
 
     def _park(self, faults: list[FaultReport], plan: RecoveryPlan) -> None:
         needed = len({rank for fault in faults for rank in fault.ranks})
@@ -311,8 +333,13 @@ class RecoveryCoordinator:
     def worker_plan(self, plan: RecoveryPlan, reports: Mapping[str, KeeperReport]) -> GenerationPlan:
         """The worker-facing plan: per rank its worker and restore sources in ladder order."""
         chosen: dict[int, dict[str, Any]] = {}
+        peers: dict[int, dict[str, Any]] = {}    # runtime.replica_repair sources
         for action in plan.actions:
             match action:
+                case RepairFromPeer(rank=rank, peer=peer, node=node):
+                    peers[rank] = {**self._keeper_source(str(node)), "kind": "peer",
+                                   "rank": int(peer),
+                                   "objects": list(self.cfg.detection.replicated_state)}
                 case RestoreFromKeeper(rank=rank, node=node):
                     chosen[rank] = self._keeper_source(str(node))
                 case RestoreFromTier(rank=rank, tier=tier):
@@ -322,6 +349,7 @@ class RecoveryCoordinator:
         ranks = {}
         for rank, worker in plan.rank_workers.items():
             sources = [chosen[rank]] if rank in chosen else []
+            sources += [peers[rank]] if rank in peers else []
             for node in holders_of(reports, rank, plan.restore_step):
                 source = self._keeper_source(node)
                 if source not in sources:
@@ -352,8 +380,9 @@ class RecoveryCoordinator:
     def _promote(self, plan: RecoveryPlan, slots: dict[int, RankSlot],
                  faults: Sequence[FaultReport]) -> None:
         fenced = {r for f in faults if f.kind in (FaultKind.STALLED, FaultKind.LEASE_LOST,
-                                                  FaultKind.PARTITIONED) for r in f.ranks}
-        for rank in fenced:  # a hung or cut-off rank must die so it can never act again
+                                                  FaultKind.PARTITIONED,
+                                                  FaultKind.WORKER_EXCEPTION) for r in f.ranks}
+        for rank in fenced:  # a hung, cut-off or failed rank must die so it never acts again
             with contextlib.suppress(Exception):
                 ray.kill(slots[rank].actor, no_restart=True)
         restore = {"step": plan.restore_step}

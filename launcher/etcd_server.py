@@ -1,7 +1,8 @@
 """The embedded etcd: one private etcd process on free loopback ports, owned by the launcher.
 
 It dies with its owner (process group of its own + ``PR_SET_PDEATHSIG``), keeps its data
-across ``restart()`` and removes it on ``close()`` unless told otherwise.
+and ports across ``stop()``/``start()`` and ``restart()``, and removes its data on
+``close()`` unless told otherwise.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ _STOP_TIMEOUT_S = 5.0
 _POLL_INTERVAL_S = 0.02
 _LOG_TAIL_BYTES = 4000
 _PORT_RACE_MARKER = "address already in use"
+STOP_SIGNALS = ("term", "kill")
 # Loopback health checks must never go through an HTTP(S)_PROXY from the environment.
 _NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -127,6 +129,7 @@ class EmbeddedEtcd:
         self._log_start = 0
         self._spawner: ThreadPoolExecutor | None = None
         self._closed = False
+        self._stopped = False          # stop()ped: the next start() reuses the ports
         self._lifecycle = threading.RLock()
 
     # -- public surface -------------------------------------------------------------------
@@ -147,16 +150,20 @@ class EmbeddedEtcd:
         return self._proc.pid if self._proc is not None else None
 
     def start(self) -> "EmbeddedEtcd":
-        """Start etcd on fresh free ports and wait until it is healthy.
+        """Start etcd and wait until it is healthy: on fresh free ports the first time (and
+        after ``close()``), on the same ports and data after ``stop()``.
 
-        Retries with other ports only when etcd failed to bind (a port race). Raises
-        ``ServiceStartError`` with the log tail when it exits or is not healthy within
-        ``startup_timeout_s``.
+        Fresh ports are retried with others only when etcd failed to bind (a port race).
+        Raises ``ServiceStartError`` with the log tail when it exits or is not healthy within
+        ``startup_timeout_s``, or when a stopped etcd's port was taken meanwhile.
         """
         with self._lifecycle:
             if self._proc is not None:
                 return self
-            self._closed = False
+            if self._stopped and not self._closed:
+                self._relaunch()
+                return self
+            self._closed = self._stopped = False
             self._binary = self._binary or find_etcd_binary()
             self.data_dir.parent.mkdir(parents=True, exist_ok=True)
             for attempt in range(1, _BIND_ATTEMPTS + 1):
@@ -171,21 +178,40 @@ class EmbeddedEtcd:
                                 f"{_BIND_ATTEMPTS} attempts; log {self.log_path}:\n"
                                 f"{self._log_tail()}")
 
-    def restart(self) -> None:
-        """Stop etcd and start it again with the same data dir and the same ports.
+    def restart(self, signal_name: str = "term") -> None:
+        """Stop etcd (``stop(signal_name)``) and start it again with the same data dir and
+        the same ports.
 
         Raises ``ServiceStartError`` if it does not come back healthy (for example when
         another process took its port meanwhile).
         """
         with self._lifecycle:
+            self.stop(signal_name)
+            self._relaunch()
+
+    def stop(self, signal_name: str = "term") -> int | None:
+        """Stop the etcd process but keep its data dir and ports for the next ``start()``:
+        ``"term"`` (SIGTERM, SIGKILL after 5 s) or ``"kill"`` (SIGKILL at once, a crash).
+        Returns the stopped pid (None when none ran). Raises ``ServiceStartError`` before
+        the first ``start()`` or after ``close()``, ``ValueError`` for another signal."""
+        if signal_name not in STOP_SIGNALS:
+            raise ValueError(f"signal {signal_name!r} is not one of {STOP_SIGNALS}")
+        with self._lifecycle:
             if self._client_port == 0 or self._closed:
-                raise ServiceStartError("restart() needs a started, not closed, EmbeddedEtcd")
-            self._stop_process()
-            try:
-                self._launch()
-            except _PortRace as exc:
-                raise ServiceStartError(f"etcd could not rebind {self.endpoint} on restart; "
-                                        f"log {self.log_path}:\n{self._log_tail()}") from exc
+                raise ServiceStartError("stop() needs a started, not closed, EmbeddedEtcd")
+            pid = self.pid
+            self._stop_process(kill=signal_name == "kill")
+            self._stopped = True
+            return pid
+
+    def _relaunch(self) -> None:
+        """Start the stopped etcd again on its ports; raises ``ServiceStartError``."""
+        try:
+            self._launch()
+        except _PortRace as exc:
+            raise ServiceStartError(f"etcd could not rebind {self.endpoint} on restart; "
+                                    f"log {self.log_path}:\n{self._log_tail()}") from exc
+        self._stopped = False
 
     def close(self) -> None:
         """Stop etcd (SIGTERM, then SIGKILL), remove its data dir if ``remove_data``.
@@ -266,9 +292,12 @@ class EmbeddedEtcd:
                                 f"{self.startup_timeout_s} s; log {self.log_path}:\n"
                                 f"{self._log_tail()}")
 
-    def _stop_process(self) -> None:
+    def _stop_process(self, kill: bool = False) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
+        if proc is not None and proc.poll() is None and kill:
+            proc.kill()
+            proc.wait(timeout=_STOP_TIMEOUT_S)
+        elif proc is not None and proc.poll() is None:
             proc.terminate()
             try:
                 proc.wait(timeout=_STOP_TIMEOUT_S)

@@ -22,9 +22,15 @@ from runtime.entrypoint import resolve_path
 from launcher.keeper_actor import KeeperActor, build_tiers, node_name
 from launcher.commit_tracker import CommitTracker
 from launcher.coordinator import RankSlot, RecoveryCoordinator
-from launcher.drills import Injector, load_scenario
+from launcher.drill_env import JobFaultEnv
+from launcher.drills import load_scenario
+from launcher.faults_network import prepare_job
+from launcher.injector import Deferred, Injector
+from launcher.run_observer import RunObserver
+from launcher.etcd_outage import EtcdOutage, outage_grace_s
 from launcher.events import EventLog
 from launcher.keeper_events import KEEPER_EVENTS_FINAL_WAIT_S, KeeperEvents
+from launcher.keeper_restart import KeeperRestarts
 from launcher.monitor import Monitor, PollResult
 from launcher.node_watch import NodeWatch
 from launcher.progress import ProgressView
@@ -79,6 +85,7 @@ class JobRunner:
         self._lifetime = {"lifetime": "detached"} if cfg.coordinator.standby else {}
         self._publisher: StatePublisher | None = None
         self._signals_at_start: list[ActorDied] = []
+        self.drill_services: dict[str, Any] = {}    # what a scenario's faults act through
         if standby and not cfg.coordinator.standby:
             raise ConfigError("coordinator.standby", "false, but --standby was given",
                               "set coordinator.standby: true in the job's config (leader and "
@@ -89,14 +96,19 @@ class JobRunner:
             return self._take_over()
         started = time.monotonic()
         self._check_memory()
-        self._check_tiers()
         self.scenario = load_scenario(self.cfg.drills.scenario) if self.cfg.drills.scenario \
             else None
+        if self.scenario is not None:   # e.g. a proxy in front of S3 for an s3_outage
+            self.cfg, self.drill_services = prepare_job(
+                self.cfg, {spec.kind for spec in self.scenario.faults})
+        self._check_tiers()
         run = RunDir.create(self.cfg)
         self.secret_hex = job_secret(self.cfg, run).hex()
         self.console.print(f"phalanx: run directory {run.path}")
         with contextlib.ExitStack() as stack:
             _install_sigterm(stack)
+            for service in self.drill_services.values():
+                stack.callback(service.close)
             services = start_services(self.cfg, run, stack)
             run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
                            "etcd_prefix": self.cfg.etcd.prefix, "launcher_pid": os.getpid(),
@@ -121,6 +133,10 @@ class JobRunner:
             results = self._watch(run, slots, coordinator)
         except LeadershipLost:
             self.handed_over = True
+            raise
+        except (PhalanxError, KeyboardInterrupt) as exc:  # the report names what ended it
+            coordinator.events.emit("job_failed", error_type=type(exc).__name__,
+                                    message=str(exc)[:2000])
             raise
         holdings = self._keeper_holdings(coordinator.live_nodes)
         coordinator.events.emit("finished", recoveries=coordinator.recoveries)
@@ -253,7 +269,13 @@ class JobRunner:
         """What each live keeper holds at the end of the run (for the summary and tests)."""
         nodes = [node for node in self.keepers if node in live]
         refs = [self.keepers[node][0].holdings.remote() for node in nodes]
-        return {node_name(n): held for n, held in zip(nodes, ray.get(refs, timeout=30))}
+        held = {}
+        for node, ref in zip(nodes, refs):
+            try:
+                held[node_name(node)] = ray.get(ref, timeout=30)
+            except ray.exceptions.RayActorError:   # died as the run ended (being replaced)
+                log.warning("event=keeper_holdings_lost node=%s", node_name(node))
+        return held
 
     def _context(self, run: RunDir, slot: RankSlot, generation: int,
                  restore: dict | None) -> WorkerContext:
@@ -320,23 +342,31 @@ class JobRunner:
         total = cfg.job.args.get("steps") if isinstance(cfg.job.args.get("steps"), int) else None
         view = ProgressView(self.console, cfg.job.world_size, total).start()
         monitor = Monitor(cfg.job.nodes, watch=self._node_watch(coordinator),
-                          collective_grace_s=cfg.detection.collective_grace_s)
-        injector = self._injector(coordinator)
+                          collective_grace_s=cfg.detection.collective_grace_s,
+                          on_exception=cfg.recovery.on_worker_exception)
+        injector = self._injector(run, slots, coordinator)
+        observer = RunObserver(coordinator.events, lambda g: coordinator.holders_before.get(g, {}))
         factor = cfg.replication.factor if cfg.replication.enabled else 0
         commits = CommitTracker(self.services.membership, cfg.job.world_size, factor,
                                 cfg.replication.commit_every_steps)
         coordinator.committed = lambda: commits.committed
         stall = StallDetector(cfg.detection.stall_timeout_s)
+        outage = EtcdOutage(self.services.membership, coordinator.events.emit,
+                            outage_grace_s(cfg.etcd.lease_ttl_s), on_untrusted=stall.reset)
+        restarts = KeeperRestarts(cfg, self.keepers, coordinator, slots, monitor.watch,
+                                  self.secret_hex, self.services.etcd_endpoints,
+                                  lambda actor: self._stack.callback(self._close_keeper, actor))
         keeper_events = KeeperEvents(self.keepers, coordinator.events, self.console)
         results: dict[int, Any] = {}
         self._publish_state(run, slots, coordinator)
         try:
             while len(results) < cfg.job.world_size:
                 self._check_leadership()
-                members = self.services.membership.members()
+                members = outage.members()
                 polled = monitor.poll(slots, set(results), members,
                                       timeout_s=cfg.detection.poll_interval_s,
-                                      finished=self._finished_workers)
+                                      finished=self._finished_workers,
+                                      leases_trusted=outage.trusted())
                 results.update(polled.finished)
                 for sample in polled.progress:
                     if sample.step > 0:  # setting up the first step is not a stall
@@ -351,14 +381,20 @@ class JobRunner:
                 coordinator.check_resumed(members)
                 self._publish_state(run, slots, coordinator)
                 commits.poll()
-                if injector is not None:
-                    injector.poll(members)
+                injector.poll(members)
+                observer.poll(members, {slot.worker_id for slot in slots.values()})
+                if coordinator.pool is not None and coordinator.pending is None:
+                    lost = coordinator.pool.check(coordinator.live_nodes)
+                    if lost:
+                        coordinator.events.emit("spare_lost", spares=lost)
                 view.update(members)
                 keeper_events.poll(coordinator.live_nodes, time.monotonic())
+                restarts.poll()
                 if time.monotonic() > deadline:
                     raise JobTimeout(f"job {cfg.job.name} ran past job.timeout_s="
                                      f"{cfg.job.timeout_s}")
         finally:
+            injector.close()
             view.close()
             keeper_events.drain(coordinator.live_nodes, KEEPER_EVENTS_FINAL_WAIT_S)
         return {rank: results[rank] for rank in sorted(results)}
@@ -390,19 +426,21 @@ class JobRunner:
         return {kv.key.removeprefix(FINISHED_PREFIX)
                 for kv in self.services.membership.list_prefix(FINISHED_PREFIX)}
 
-    def _injector(self, coordinator: RecoveryCoordinator) -> Injector | None:
-        if self.scenario is None:
-            return None
-        local = self.services.local_ray
-        if local is None:
-            raise ConfigError("drills.scenario", "node faults need the local Ray",
-                              "drill against the embedded cluster (ray.address empty)")
-        return Injector(self.scenario, self._remove_node, coordinator.events.emit)
+    def _injector(self, run: RunDir, slots: dict[int, RankSlot],
+                  coordinator: RecoveryCoordinator) -> Injector:
+        """Fires the scenario's faults, and faults ``phalanx drill inject`` sends."""
+        deferred = Deferred()
+        env = JobFaultEnv(self.cfg, run.path, slots, coordinator, self.services,
+                          coordinator.pool, self._remove_node, deferred, self.drill_services)
+        return Injector(self.scenario, env, self.services.membership, deferred)
 
     def _remove_node(self, index: int) -> None:
         """A drill's node loss on the local Ray: the node's processes die at once, and its
         keeper's shared memory, which a lost machine takes with it, is unlinked here."""
-        assert self.services.local_ray is not None
+        if self.services.local_ray is None:
+            raise ConfigError("drills.scenario", "kill_node needs the embedded local Ray",
+                              "drill node loss against the embedded cluster (ray.address "
+                              "empty)")
         self.services.local_ray.remove_node(index)
         removed = remove_stale(self.cfg.snapshot.shm_dir,
                                shm_prefix(self.cfg.job.name, node_name(index)))

@@ -119,6 +119,9 @@ class KeeperActor:
     def stats(self) -> dict[str, int]:
         return self._keeper.stats()
 
+    def snapshot_files(self, rank: int) -> list[dict[str, Any]]:
+        return self._keeper.snapshot_files(rank)
+
     def events(self) -> list[dict[str, Any]]:
         """Tier and replication events since the last call (drained)."""
         with self._lock:

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from configs.errors import PhalanxError
+from configs.errors import MembershipUnavailable, PhalanxError
 from runtime.membership_etcd import EtcdMembership
 
 log = logging.getLogger(__name__)
@@ -38,11 +38,15 @@ def identity() -> dict[str, Any]:
 
 class Leadership:
     """Owned by the launcher's main thread. Its own etcd connection and lease, so the lease
-    is the launcher's liveness and nothing else."""
+    is the launcher's liveness and nothing else. ``step_down_when_silent``: with a standby
+    that may take over, a lease etcd did not confirm for a whole TTL (etcd unreachable from
+    here) counts as lost too; without one, etcd's word alone (an outage is ridden out)."""
 
-    def __init__(self, membership: EtcdMembership, ttl_s: float) -> None:
+    def __init__(self, membership: EtcdMembership, ttl_s: float,
+                 step_down_when_silent: bool = False) -> None:
         self._membership = membership
         self._ttl_s = ttl_s
+        self._step_down_when_silent = step_down_when_silent
         self.held = False
 
     def try_acquire(self) -> bool:
@@ -72,6 +76,9 @@ class Leadership:
     def check(self) -> None:
         """Raise ``LeadershipLost`` once the lease is gone (checked every poll)."""
         lost = self._membership.lease_lost
+        silent = getattr(self._membership, "lease_silent_s", 0.0)
+        if self._step_down_when_silent and silent > self._ttl_s:
+            lost = lost or f"etcd did not confirm it for {silent:.1f} s"
         if self.held and lost:
             self.held = False
             raise LeadershipLost(f"the coordinator lease was lost ({lost}): another launcher "
@@ -79,9 +86,13 @@ class Leadership:
                                  "job's processes to it")
 
     def release(self) -> None:
+        """Give the lease back; etcd unreachable: it then ends by its TTL."""
         if self.held:
             self.held = False
-            self._membership.leave()
+            try:
+                self._membership.leave()
+            except MembershipUnavailable as exc:
+                log.warning("event=coordinator_lease_not_revoked error=%s", exc)
 
 
 @dataclass

@@ -4,10 +4,11 @@ The launcher holds one idle, authenticated TCP connection to every node's keeper
 lives as long as its node, so when that connection ends the watch asks two questions, each
 answered at once by the kernel: does the keeper's port still accept (no: the keeper process
 is gone), and does the node's raylet port still accept (no: the node is gone). Both refused
-is a lost node, stamped with the moment the connection ended. Anything less
-(the keeper closed an idle connection, only the keeper died, a machine that vanished
-without closing its sockets) is left to the slower signals: Ray's node health checks and
-the keeper's etcd lease.
+is a lost node, stamped with the moment the connection ended. A keeper that refuses on a
+node whose raylet still accepts is a lost keeper (``keepers_gone``: the launcher starts
+another, then ``rewatch``). Anything less (the keeper closed an idle connection, a machine
+that vanished without closing its sockets) is left to the slower signals: Ray's node
+health checks and the keeper's etcd lease.
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ class NodeWatch:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._lock = threading.Lock()
         self._lost: list[tuple[int, float]] = []
+        self._keepers_lost: list[tuple[int, float]] = []
+        self._rewatch: list[tuple[int, tuple[str, int]]] = []   # for the watch thread
         self._stopping = threading.Event()
         self._retry: dict[int, tuple[float, float]] = {}   # node → (next look, ended at)
         self._delay: dict[int, float] = {}
@@ -91,6 +94,20 @@ class NodeWatch:
         with self._lock:
             lost, self._lost = self._lost, []
         return lost
+
+    def keepers_gone(self) -> list[tuple[int, float]]:
+        """(node index, when) of each keeper found gone on a live node since the last call."""
+        with self._lock:
+            gone, self._keepers_lost = self._keepers_lost, []
+        return gone
+
+    def rewatch(self, node: int, address: tuple[str, int]) -> None:
+        """Watch ``node``'s new keeper at ``address`` (its old one is gone); the watch
+        thread opens the connection."""
+        with self._lock:
+            self._rewatch.append((node, address))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"r")
 
     def close(self) -> None:
         self._stopping.set()
@@ -134,6 +151,8 @@ class NodeWatch:
             soonest = min((due for due, _ in self._retry.values()), default=None)
             wait = 1.0 if soonest is None else max(0.0, min(1.0, soonest - self._clock()))
             for key, _ in self._selector.select(timeout=wait):
+                if key.data is None and not self._stopping.is_set():
+                    self._take_rewatch()
                 if key.data is None or self._stopping.is_set():
                     continue
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
@@ -162,8 +181,24 @@ class NodeWatch:
             return
         if not refuses(self._raylets[node]):
             log.warning("event=keeper_process_gone node=%s raylet=alive", node_name(node))
+            with self._lock:
+                self._keepers_lost.append((node, ended))
             return
         log.warning("event=node_gone node=%s seconds_to_classify=%.3f", node_name(node),
                     self._clock() - ended)
         with self._lock:
             self._lost.append((node, ended))
+
+    def _take_rewatch(self) -> None:
+        """On the watch thread: drain the wake-up byte(s), watch the keepers ``rewatch``
+        named."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_r.recv(64)
+        with self._lock:
+            pending, self._rewatch = self._rewatch, []
+        for node, address in pending:
+            self._keepers[node] = address
+            self._retry.pop(node, None)
+            self._delay.pop(node, None)
+            if not self._watch(node):
+                self._retry[node] = (self._clock() + RETRY_S, self._clock())

@@ -146,6 +146,15 @@ class LocalRay:
                 "resources": {node_resource(index): NODE_RESOURCE_UNITS},
                 "object_store_memory": self._cfg.object_store_mb * 1024 * 1024}
 
+    def node_pids(self, index: int) -> list[int]:
+        """The raylet of virtual node ``index`` and every process below it."""
+        node = self._nodes.get(index)
+        if node is None:
+            return []
+        raylets = [info.process.pid for info in
+                   node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])]
+        return raylets + [pid for raylet in raylets for pid in descendants(raylet)]
+
     def remove_node(self, index: int) -> None:
         """Kill virtual node ``index`` at once, as a machine that loses power: SIGKILL to its
         raylet and, in the same instant, to every process the raylet started (workers,

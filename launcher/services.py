@@ -98,7 +98,8 @@ def _connect(cfg: PhalanxConfig, endpoints: list[str],
 def _leadership(cfg: PhalanxConfig, endpoints: list[str],
                 stack: contextlib.ExitStack) -> Leadership:
     """The coordinator lease lives on its own connection: it is this launcher's liveness."""
-    leadership = Leadership(_connect(cfg, endpoints, stack), cfg.coordinator.lease_ttl_s)
+    leadership = Leadership(_connect(cfg, endpoints, stack), cfg.coordinator.lease_ttl_s,
+                            step_down_when_silent=cfg.coordinator.standby)
     stack.callback(leadership.release)
     return leadership
 

@@ -6,17 +6,21 @@ namespace, JSON in etcd."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any, Mapping
 
 import ray
 
+from configs.errors import MembershipUnavailable
 from launcher.coordinator import RankSlot, RecoveryCoordinator
 from launcher.leadership import JobState, publish_state
 from recovery.detection import ActorDied
 from runtime.base import Membership
 from runtime.generation import GenerationPlan, plan_key
 from runtime.placement import Placement
+
+log = logging.getLogger(__name__)
 
 
 def keeper_actor_name(job: str, node: int) -> str:
@@ -50,9 +54,14 @@ class StatePublisher:
         self._published = b""
 
     def publish(self, state: JobState) -> None:
+        """Write ``state`` if it changed; etcd unreachable: tried again at the next call."""
         encoded = state.to_json()
         if encoded != self._published:
-            publish_state(self._membership, state)   # type: ignore[arg-type]
+            try:
+                publish_state(self._membership, state)   # type: ignore[arg-type]
+            except MembershipUnavailable as exc:
+                log.warning("event=state_publish_failed error=%s", exc)
+                return
             self._published = encoded
 
 

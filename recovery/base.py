@@ -49,6 +49,18 @@ class FaultKind(enum.Enum):
     WORKER_EXCEPTION = "worker_exception"
     KEEPER_DIED = "keeper_died"
     PARTITIONED = "partitioned"
+    SILENT_CORRUPTION = "silent_corruption"
+
+
+@dataclass(frozen=True)
+class Corruption:
+    """What cross-replica verification found: the ranks' replica digests at the first
+    ``step`` they disagreed, and ``verified_step``, the newest step whose digests agreed on
+    every rank (each keeper holds it; the run rolls back no later than it)."""
+
+    step: Step
+    verified_step: Step
+    digests: tuple[tuple[Rank, str], ...]
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,7 @@ class FaultReport:
     node: NodeId | None
     observed_at: float
     evidence: str
+    corruption: Corruption | None = None      # SILENT_CORRUPTION only
 
 
 # --- what the planner reads -------------------------------------------------------------
@@ -215,6 +228,18 @@ class RestoreFromTier:
 
 
 @dataclass(frozen=True)
+class RepairFromPeer:
+    """``rank``'s replicated state (model, optimizer) at ``step`` comes from healthy rank
+    ``peer``'s snapshot in the keeper on ``node``, after its own restore (silent
+    corruption: its own state diverged from its data-parallel replicas)."""
+
+    rank: Rank
+    peer: Rank
+    node: NodeId
+    step: Step
+
+
+@dataclass(frozen=True)
 class Rollback:
     """Every rank goes back to ``step``, older than the committed step (memory lost it)."""
 
@@ -239,16 +264,16 @@ class Abort:
 
 
 Action: TypeAlias = (PromoteSpare | RestartWorker | RestoreFromKeeper | RestoreFromTier
-                     | Rollback | WaitForCapacity | Abort)
+                     | RepairFromPeer | Rollback | WaitForCapacity | Abort)
 
 _ACTION_TAGS: dict[type, str] = {
     PromoteSpare: "promote_spare", RestartWorker: "restart_worker",
     RestoreFromKeeper: "restore_from_keeper", RestoreFromTier: "restore_from_tier",
-    Rollback: "rollback", WaitForCapacity: "wait_for_capacity", Abort: "abort",
+    RepairFromPeer: "repair_from_peer", Rollback: "rollback", WaitForCapacity: "wait_for_capacity", Abort: "abort",
 }
 _ACTION_TYPES: dict[str, type] = {tag: cls for cls, tag in _ACTION_TAGS.items()}
-A = TypeVar("A", PromoteSpare, RestartWorker, RestoreFromKeeper, RestoreFromTier, Rollback,
-            WaitForCapacity, Abort)
+A = TypeVar("A", PromoteSpare, RestartWorker, RestoreFromKeeper, RestoreFromTier,
+            RepairFromPeer, Rollback, WaitForCapacity, Abort)
 
 
 @dataclass(frozen=True)

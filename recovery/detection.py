@@ -6,12 +6,13 @@ clock; ``root_cause`` names the fault that explains the others. No I/O, no clock
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeAlias, TypeVar, assert_never
 
 from configs.schema import DetectionConfig
-from recovery.base import FaultKind, FaultReport, WorldView
+from recovery.base import Corruption, FaultKind, FaultReport, WorldView
 from runtime.base import NodeId, Rank, Step, WorkerId
 
 # --- signals: what the coordinator observed, before interpretation ------------------------
@@ -78,8 +79,21 @@ class WorkerRaised:
     observed_at: float
 
 
+@dataclass(frozen=True)
+class SilentCorruption:
+    """Every rank found (in-band, ``detection.compare_replicas``) that the replica digests of
+    ``step`` differ across ranks; ``digests`` (rank, digest) as each rank published its
+    own, ``verified_step`` the newest step that agreed, ``generation`` the one it ran in."""
+
+    step: Step
+    verified_step: Step
+    digests: tuple[tuple[Rank, str], ...]
+    generation: int
+    observed_at: float
+
+
 Signal: TypeAlias = (ActorDied | NodeLost | KeeperLeaseExpired | CollectiveError | Progress
-                     | LeaseLost | WorkerRaised)
+                     | LeaseLost | WorkerRaised | SilentCorruption)
 
 # Kinds that explain a collective error in a survivor (the peer it talked to is gone).
 CONSEQUENCE_KINDS = frozenset({FaultKind.COLLECTIVE_ERROR})
@@ -128,11 +142,15 @@ def classify(signals: Sequence[Signal], world: WorldView, now: float) -> list[Fa
     errors; a keeper lease expiry on a live node is KEEPER_DIED, or PARTITIONED when workers
     on that node lost their leases too. Signals about workers or ranks outside ``world``
     (older generations, spares) are ignored. ``Progress`` is ignored here (feed it to
-    ``StallDetector``). A signal stamped after ``now`` is taken as observed at ``now``.
+    ``StallDetector``). A ``SilentCorruption`` of the current generation becomes one
+    SILENT_CORRUPTION report per step naming the ranks outside the digest majority (one of
+    an older generation is dropped: a rollback already answered it). A signal stamped
+    after ``now`` is taken as observed at ``now``.
     """
     ranks: _Earliest[Rank] = _Earliest()
     nodes: _Earliest[NodeId] = _Earliest()
     keeper_expired: dict[NodeId, float] = {}
+    corrupted: dict[Step, FaultReport] = {}
     for signal in signals:
         at = min(signal.observed_at, now)
         match signal:
@@ -153,13 +171,38 @@ def classify(signals: Sequence[Signal], world: WorldView, now: float) -> list[Fa
                 nodes.add(FaultKind.NODE_DIED, node, at, f"node {node} lost")
             case KeeperLeaseExpired(node=node):
                 keeper_expired[node] = min(at, keeper_expired.get(node, at))
+            case SilentCorruption(generation=generation, step=step):
+                if generation >= world.generation and step not in corrupted:
+                    corrupted[step] = corruption_report(signal, at)
             case Progress():
                 pass
             case _:
                 assert_never(signal)
     _classify_keepers(keeper_expired, ranks, nodes, world)
     _add_unlive_nodes(ranks, nodes, world)
-    return sorted(_reports(ranks, nodes, world), key=report_order)
+    return sorted([*_reports(ranks, nodes, world), *corrupted.values()], key=report_order)
+
+
+def compare_digests(digests: Mapping[Rank, str]) -> tuple[str | None, tuple[Rank, ...]]:
+    """(the digest a strict majority of ranks holds, the ranks that differ from it); with
+    no strict majority (2 ranks, 1 against 1): (None, every rank), since any could be the
+    corrupted one. Ranks ascending; (None, ()) for no digests."""
+    if not digests:
+        return None, ()
+    digest, count = Counter(digests.values()).most_common(1)[0]
+    if 2 * count <= len(digests):
+        return None, tuple(sorted(digests))
+    return digest, tuple(sorted(r for r, d in digests.items() if d != digest))
+
+
+def corruption_report(signal: SilentCorruption, at: float) -> FaultReport:
+    """The SILENT_CORRUPTION report of ``signal``: the ranks outside the majority."""
+    majority, ranks = compare_digests(dict(signal.digests))
+    differing = ", ".join(f"rank {r}: {d}" for r, d in signal.digests if r in ranks)
+    evidence = (f"replica digests of step {signal.step} differ ({differing}; majority "
+                f"{majority or 'none'}); newest agreeing step {signal.verified_step}")
+    return FaultReport(FaultKind.SILENT_CORRUPTION, ranks, None, at, evidence,
+                       Corruption(signal.step, signal.verified_step, signal.digests))
 
 
 def _add_worker(table: _Earliest[Rank], world: WorldView, worker: WorkerId, kind: FaultKind,

@@ -9,7 +9,10 @@ Restore ladder, the same for every rank at the restore step (first source that h
      every survivor)      most constrained rank first)
 
 If some rank's committed step is in none of them, every rank rolls back to the newest step
-complete in a persistent tier (``Rollback``) and the ladder runs again at that step. Lost
+complete in a persistent tier (``Rollback``) and the ladder runs again at that step. Silent
+corruption caps the restore step at the newest step whose replicas agreed on every rank
+(every rank rolls back; no worker is replaced), and each corrupted rank takes its
+replicated state from a healthy peer's own keeper (``RepairFromPeer``). Lost
 ranks are then replaced: warm spares first (off the failed node, spread over nodes), then
 the ``on_exhausted`` policy: restart on the least-loaded healthy node, wait, or fail.
 Cost: O(ranks + holders) for sources and O(lost · log nodes) for placement.
@@ -19,13 +22,13 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from configs.schema import RecoveryConfig, SparesConfig
 from recovery.base import (
-    Abort, Action, FaultKind, FaultReport, PromoteSpare, RecoveryPlan, ReplicaMap, RestartWorker,
-    RestoreFromKeeper, RestoreFromTier, Rollback, SpareInventory, TierInventory, WaitForCapacity,
+    Abort, Action, FaultKind, FaultReport, PromoteSpare, RecoveryPlan, RepairFromPeer, ReplicaMap,
+    RestartWorker, RestoreFromKeeper, RestoreFromTier, Rollback, SpareInventory, TierInventory, WaitForCapacity,
     WorldView,
 )
 from recovery.detection import root_cause
@@ -105,9 +108,10 @@ def plan_recovery(faults: Sequence[FaultReport], world: WorldView, replicas: Rep
     if cfg.recoveries_so_far >= cfg.max_recoveries:
         return stop(f"recovery.max_recoveries={cfg.max_recoveries} already used; "
                     "raise it or fix the recurring fault")
-    restore = _choose_restore(world, damage, replicas, tiers)
+    restore = _choose_restore(_verified(world, faults), damage, replicas, tiers)
     if isinstance(restore, str):
         return stop(restore)
+    repairs = [] if restore.rollback else _repairs(faults, world, damage, replicas, restore.step)
     promoted, unplaced = _assign_spares(damage, spares, world)
     placements: list[PromoteSpare | RestartWorker] = list(promoted)
     if unplaced and cfg.on_exhausted == "wait":
@@ -130,8 +134,12 @@ def plan_recovery(faults: Sequence[FaultReport], world: WorldView, replicas: Rep
     actions: list[Action] = [restore.rollback] if restore.rollback else []
     actions += placements
     actions += restore.sources
+    actions += repairs
     reason = (f"{headline}; {len(damage.lost)} rank(s) replaced ({len(promoted)} spare(s), "
               f"{len(placements) - len(promoted)} restart(s)); resume at step {restore.step}")
+    if repairs:
+        reason += "; replicated state from peers: " + ", ".join(
+            f"rank {r.rank} <- rank {r.peer}" for r in repairs)
     if restore.rollback:
         reason += f" (rolled back: {restore.rollback.reason})"
     return RecoveryPlan(generation, restore.step, tuple(actions), rank_workers, reason)
@@ -174,6 +182,40 @@ def _choose_restore(world: WorldView, damage: _Damage, replicas: ReplicaMap,
     why = (f"committed step {committed} of rank(s) {_ranks_text(lacking)} is in no live "
            f"keeper; newest complete tier step is {fallback} ({tiers.first_holding(fallback)})")
     return _Restore(fallback, sources, Rollback(fallback, why))
+
+
+def _verified(world: WorldView, faults: Sequence[FaultReport]) -> WorldView:
+    """Silent corruption: restore no later than the newest step whose replicas agreed
+    (anything newer may carry the corrupted rank's state, or its gradients)."""
+    verified = [f.corruption.verified_step for f in faults if f.corruption is not None]
+    if not verified:
+        return world
+    return replace(world, committed_step=Step(min(world.committed_step, *verified)))
+
+
+def _repairs(faults: Sequence[FaultReport], world: WorldView, damage: _Damage,
+             replicas: ReplicaMap, step: Step) -> list[RepairFromPeer]:
+    """A healthy peer for each corrupted rank that keeps its worker: a rank outside every
+    corruption report whose own (healthy) node keeper holds ``step``, the least used
+    first, then the lowest rank. None when no rank is healthy (2 ranks, no majority):
+    each rank then keeps its own state of ``step``, which agreed with its peers."""
+    suspects = {r for f in faults if f.corruption is not None for r in f.ranks}
+    lost = set(damage.lost)
+    heap: list[tuple[int, Rank, NodeId]] = []
+    for r in range(world.world_size):
+        rank, node = Rank(r), world.node_of(Rank(r))
+        if rank not in suspects and rank not in lost and node in damage.healthy \
+                and step in replicas.steps_held(rank, node):
+            heap.append((0, rank, node))
+    heapq.heapify(heap)
+    repairs = []
+    for rank in sorted(suspects - lost):
+        if not heap:
+            break
+        used, peer, node = heapq.heappop(heap)
+        repairs.append(RepairFromPeer(rank, peer, node, step))
+        heapq.heappush(heap, (used + 1, peer, node))
+    return repairs
 
 
 def _sources_at(step: Step, world: WorldView, damage: _Damage, replicas: ReplicaMap,

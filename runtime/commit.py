@@ -58,6 +58,13 @@ class KeeperReport:
                    generation=int(raw.get("generation", 0)))
 
 
+def gate(step: int, verified: int | None) -> int:
+    """``step`` held back to ``verified``, the newest step whose replicas agreed on every
+    rank (``detection.compare_replicas``), so the commit point never passes a step whose
+    replica digests differ or are not all known yet; ``verified`` None: no gate."""
+    return step if verified is None else min(step, verified)
+
+
 def holders_of(reports: Mapping[str, KeeperReport], rank: int, step: int) -> list[str]:
     """Nodes whose keeper holds (rank, step), local copies first."""
     local = [n for n, r in sorted(reports.items()) if step in r.local.get(rank, ())]

@@ -475,6 +475,17 @@ class Keeper:
                 entry["replica"] = sorted(h.step for h in lst)
             return out
 
+    def snapshot_files(self, rank: int) -> list[dict[str, Any]]:
+        """Where ``rank``'s ready snapshots live (step, own or replica, shm path, bytes):
+        what a storage drill damages in place."""
+        with self._cond:
+            table = self._local.get(rank)
+            own = [("own", h) for h in (table.slots + table.retired if table else [])
+                   if h.state == "ready"]
+            held = own + [("replica", h) for h in self._replicas.get(rank, [])]
+            return [{"step": h.step, "kind": kind, "path": h.buf.path, "nbytes": h.used or
+                     h.buf.nbytes} for kind, h in held]
+
     def stats(self) -> dict[str, int]:
         """Bytes and files held: local slots (all layouts), replicas, recycled buffers."""
         with self._cond:

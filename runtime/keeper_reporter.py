@@ -62,11 +62,24 @@ class KeeperReporter:
     def _run(self) -> None:
         while not self._stop.wait(self._heartbeat_s):
             try:
+                if self._membership.lease_lost:    # etcd lost it (an outage outlived it)
+                    self._rejoin()
                 self._publish()
-            except (MembershipUnavailable, LeaseLost) as exc:
+            except LeaseLost as exc:   # etcd lost our lease: a new one, and the report again
+                log.warning("event=keeper_lease_lost node=%s error=%s", self._node, exc)
+                self._rejoin()
+            except MembershipUnavailable as exc:     # etcd unreachable: next heartbeat
                 log.warning("event=keeper_report_failed node=%s error=%s", self._node, exc)
             except Exception as exc:  # thread boundary: report and keep reporting
                 log.exception("event=keeper_report_error node=%s error=%r", self._node, exc)
+
+    def _rejoin(self) -> None:
+        self._last = b""
+        try:
+            self._membership.join(self._member, self._ttl_s)
+            log.warning("event=keeper_rejoined node=%s", self._node)
+        except (MembershipUnavailable, LeaseLost) as exc:
+            log.warning("event=keeper_rejoin_failed node=%s error=%s", self._node, exc)
 
     def _publish(self) -> None:
         data = self._snapshot().to_json()

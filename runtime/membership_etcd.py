@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _VENDOR_ERRORS = (grpc.RpcError, etcd3.exceptions.Etcd3Exception)
 _KEEPALIVE_JOIN_S = 2.0
+_RETRY_FIRST_S = 0.1      # first retry of a failed lease refresh (then doubling to ttl/3)
 # A private subchannel pool per client: grpc otherwise shares one connection (and its
 # reconnect backoff) between every channel to the same address, so a fresh client made
 # just after an etcd restart fails at once. Short backoff: reconnect within ~1 s of etcd
@@ -73,7 +74,8 @@ class EtcdMembership:
     (or ``connect()``) connects to the first endpoint that answers. Watch callbacks run
     on etcd3's watcher thread; the lease is refreshed by a daemon thread at ``ttl / 3``.
     Every call may raise ``MembershipUnavailable``; ``update`` raises ``LeaseLost`` once
-    our lease is gone.
+    etcd says our lease is gone (not while etcd is merely unreachable: see
+    ``lease_silent_s``); ``join`` again to get a new one.
     """
 
     def __init__(self, endpoints: list[str], job_prefix: str, *, timeout_s: float = 5.0,
@@ -94,6 +96,7 @@ class EtcdMembership:
         self._closed = False
         self._lease_id = 0
         self._lease_lost = ""
+        self._refreshed_at = 0.0
         self._keepalive_stop = threading.Event()
         self._keepalive: threading.Thread | None = None
         self._watches: set[_PrefixWatch] = set()
@@ -188,6 +191,7 @@ class EtcdMembership:
             lease = client.lease(ttl)
         with self._lock:
             self._lease_id, self._lease_lost = lease.id, ""
+            self._refreshed_at = time.monotonic()
         self._put_leased(member)
         self._start_keepalive(lease.id, ttl, member.worker_id)
         log.info("event=member_joined worker=%s lease=%x ttl_s=%d endpoint=%s",
@@ -213,6 +217,7 @@ class EtcdMembership:
             return False
         with self._lock:
             self._lease_id, self._lease_lost = lease.id, ""
+            self._refreshed_at = time.monotonic()
         self._start_keepalive(lease.id, ttl, key)
         return True
 
@@ -275,23 +280,40 @@ class EtcdMembership:
         thread.start()
 
     def _keepalive_loop(self, lease_id: int, ttl: int, stop: threading.Event) -> None:
-        """Refresh at ttl/3; the lease is lost when etcd says so (TTL <= 0) or when no
-        refresh succeeded for a whole TTL. Runs on the keepalive thread."""
-        last_ok = time.monotonic()
-        while not stop.wait(ttl / 3):
+        """Refresh at ttl/3. The lease is lost only when etcd says so (TTL <= 0): while
+        etcd cannot be reached the refresh is retried with backoff (0.1 s doubling up to
+        ttl/3), since etcd gives every lease it holds a fresh TTL when it restarts (3.5,
+        also after SIGKILL and an outage longer than the TTL). How long no refresh has
+        succeeded is ``lease_silent_s``. Runs on the keepalive thread."""
+        wait = ttl / 3
+        while not stop.wait(wait):
             try:
                 responses = list(self._conn().refresh_lease(lease_id))
-            except Exception as exc:  # thread boundary: becomes LeaseLost or a retry
-                if time.monotonic() - last_ok > ttl:
-                    self._mark_lost(lease_id, f"no refresh for {ttl} s: {_describe(exc)}")
-                    return
-                log.warning("event=lease_refresh_failed lease=%x error=%s", lease_id,
-                            _describe(exc))
+                if not responses:
+                    raise MembershipUnavailable("lease keepalive stream closed without reply")
+            except Exception as exc:  # thread boundary: etcd unreachable, retried
+                wait = _RETRY_FIRST_S if wait >= ttl / 3 else min(ttl / 3, wait * 2)
+                log.warning("event=lease_refresh_failed lease=%x silent_s=%.1f error=%s",
+                            lease_id, self.lease_silent_s, _describe(exc))
                 continue
-            if not responses or responses[0].TTL <= 0:
+            if responses[0].TTL <= 0:
                 self._mark_lost(lease_id, "etcd reports the lease expired or revoked")
                 return
-            last_ok = time.monotonic()
+            if wait < ttl / 3:
+                log.info("event=lease_refreshed_again lease=%x silent_s=%.1f", lease_id,
+                         self.lease_silent_s)
+            wait = ttl / 3
+            with self._lock:
+                self._refreshed_at = time.monotonic()
+
+    @property
+    def lease_silent_s(self) -> float:
+        """Seconds since etcd last confirmed our lease (granted or refreshed); 0 when we
+        hold none. Grows while etcd is unreachable, though etcd may still keep the lease."""
+        with self._lock:
+            if not self._lease_id or self._lease_lost:
+                return 0.0
+            return time.monotonic() - self._refreshed_at
 
     def _mark_lost(self, lease_id: int, reason: str) -> None:
         with self._lock:

@@ -85,6 +85,10 @@ class _TierState:
     pending_since: float = 0.0
     next_commit_try: float = 0.0
     commit_tries: int = 0
+    commit_alerted: bool = False       # tier_degraded sent for the pending step's commit
+    retry_step: int | None = None      # its write failed (tier unavailable): try it again
+    retry_at: float = 0.0
+    retry_tries: int = 0
 
 
 class TierPersister:
@@ -101,8 +105,11 @@ class TierPersister:
     never stalls training. Retention runs only where the job's lowest rank is held.
 
     Failures never leave the thread: a tier error (TierUnavailable, OSError) emits
-    ``tier_degraded``; a step no longer held, with a bad checksum or whose copy was
-    preempted emits ``tier_skipped`` (``rank``, ``cause``, and the bad ``tensor``).
+    ``tier_degraded`` once per step, and the write (or the commit) is tried again after
+    ``commit_retry_s``, doubling up to 16x, while the keeper still holds the step and no
+    newer window's step is due, so persistence rides out an endpoint outage; a step no
+    longer held, with a bad checksum or whose copy was preempted emits ``tier_skipped``
+    (``rank``, ``cause``, and the bad ``tensor``).
     ``on_event`` (called from the persister thread; must not block) also gets
     ``tier_persisted``, ``tier_committed``, ``tier_commit_abandoned``, ``tier_retention``
     and ``persister_error`` dicts.
@@ -220,9 +227,23 @@ class TierPersister:
             self._try_commit(state)
             time_due = state.every_s > 0 and self._time_window(state) > state.time_window
             step = pick_step(ready, state.attempted, state.every_steps, time_due)
+            if step is None:
+                step = self._due_retry(state, ready)
             if step is not None:
                 self._persist(state, step)
                 self._try_commit(state)
+
+    def _due_retry(self, state: _TierState, ready: set[int]) -> int | None:
+        """The step whose write failed, once its retry is due and while it is held."""
+        step = state.retry_step
+        if step is None or time.monotonic() < state.retry_at:
+            return None
+        if step not in ready:            # the keeper moved on: the next window persists
+            log.info("tier_retry_dropped node=%s tier=%s step=%d tries=%d", self._keeper.node,
+                     state.tier.name, step, state.retry_tries)
+            state.retry_step, state.retry_tries = None, 0
+            return None
+        return step
 
     def _time_window(self, state: _TierState) -> int:
         return int(self._wall_clock() // state.every_s) if state.every_s > 0 else 0
@@ -237,7 +258,10 @@ class TierPersister:
 
     def _persist(self, state: _TierState, step: int) -> None:
         name, ranks = state.tier.name, list(self._local)
-        state.attempted, state.time_window = step, self._time_window(state)
+        state.attempted = max(state.attempted, step)
+        state.time_window = self._time_window(state)
+        if state.retry_step != step:     # a newer step supersedes a failed one
+            state.retry_step, state.retry_tries = None, 0
         started = time.monotonic()
         written = 0
         for rank in ranks:
@@ -249,8 +273,9 @@ class TierPersister:
                 self._skipped(state, step, rank, exc)
                 return
             except (TierUnavailable, OSError) as exc:
-                self._degraded(state, step, exc)
+                self._write_failed(state, step, exc)
                 return
+        state.retry_step, state.retry_tries = None, 0
         with self._lock:
             state.persisted = step
         self._emit({"event": "tier_persisted", "tier": name, "step": step, "ranks": ranks,
@@ -259,7 +284,7 @@ class TierPersister:
             self._emit({"event": "tier_commit_abandoned", "tier": name, "step": state.pending,
                         "reason": f"superseded by step {step}"}, logging.WARNING)
         state.pending, state.pending_since = step, time.monotonic()
-        state.next_commit_try, state.commit_tries = 0.0, 0
+        state.next_commit_try, state.commit_tries, state.commit_alerted = 0.0, 0, False
 
     def _write_rank(self, tier: Tier, rank: int, step: int) -> int:
         """Verify ``rank``'s payload at ``step`` against its manifest, then write it.
@@ -301,16 +326,20 @@ class TierPersister:
 
     def _try_commit(self, state: _TierState) -> None:
         """Write the pending step's marker once every rank of the job is in the tier. A
-        missing rank (another node still writing) is retried after commit_retry_s, doubling
-        up to 16x (each try lists the step: keep S3 LISTs per node few), until
-        commit_wait_s passes or a newer persisted step supersedes it."""
+        missing rank (another node still writing) or an unavailable tier (one
+        ``tier_degraded``) is retried after commit_retry_s, doubling up to 16x (each try
+        lists the step: keep S3 LISTs per node few), until commit_wait_s passes or a
+        newer persisted step supersedes it."""
         step, now = state.pending, time.monotonic()
         if step is None or now < state.next_commit_try:
             return
         name = state.tier.name
         try:
             state.tier.commit_step(step, self._world)
-        except SnapshotNotFound as exc:
+        except (SnapshotNotFound, TierUnavailable, OSError) as exc:
+            if not isinstance(exc, SnapshotNotFound) and not state.commit_alerted:
+                state.commit_alerted = True
+                self._degraded(state, step, exc)
             if now - state.pending_since < self._commit_wait_s:
                 backoff = 2 ** min(state.commit_tries, _MAX_BACKOFF_DOUBLINGS)
                 state.next_commit_try = now + self._commit_retry_s * backoff
@@ -320,10 +349,6 @@ class TierPersister:
             self._emit({"event": "tier_commit_abandoned", "tier": name, "step": step,
                         "reason": f"not complete after {self._commit_wait_s:.0f}s: {exc}"},
                        logging.WARNING)
-            return
-        except (TierUnavailable, OSError) as exc:
-            state.pending = None
-            self._degraded(state, step, exc)
             return
         state.pending = None
         self._emit({"event": "tier_committed", "tier": name, "step": step})
@@ -352,6 +377,17 @@ class TierPersister:
         with self._lock:
             state.skipped += 1
         self._emit(event, logging.ERROR if cause == "corrupt" else logging.WARNING)
+
+    def _write_failed(self, state: _TierState, step: int, exc: BaseException) -> None:
+        """A tier error writing ``step``: alert once per step, retry it after a backoff."""
+        if state.retry_step == step:
+            log.info("tier_retry_failed node=%s tier=%s step=%d tries=%d error=%s",
+                     self._keeper.node, state.tier.name, step, state.retry_tries, exc)
+        else:
+            self._degraded(state, step, exc)
+        backoff = 2 ** min(state.retry_tries, _MAX_BACKOFF_DOUBLINGS)
+        state.retry_step, state.retry_tries = step, state.retry_tries + 1
+        state.retry_at = time.monotonic() + self._commit_retry_s * backoff
 
     def _degraded(self, state: _TierState, step: int, exc: BaseException) -> None:
         self._emit({"event": "tier_degraded", "tier": state.tier.name, "step": step,

@@ -1,10 +1,12 @@
 """The receiving keeper's side of a replica push (protocol: ``runtime.replica_wire``):
 answer an offer from the tensors it holds, and store a push, copying the reused tensors
-from its own memory and checking every received chunk's digest before the replica is
-kept. Called on the keeper's connection threads by ``runtime.keeper_wire``.
+from its own memory and checking the header's check and every received chunk's digest
+before the replica is kept. Called on the keeper's connection threads by
+``runtime.keeper_wire``.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable, Protocol, Sequence
 
@@ -12,9 +14,11 @@ from configs.errors import SnapshotCorrupt, SnapshotNotFound
 from runtime.frames import IncomingPayload
 from runtime.replica_wire import (CHUNK_DIGESTS, DIGEST_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES,
                                   Range, ReplicaInvalid, chunk_digest, dedup_candidates,
-                                  iter_chunks, push_nbytes, reused_ranges, sent_segments,
-                                  tensor_ranges)
+                                  fields_check, iter_chunks, push_check, push_nbytes,
+                                  reused_ranges, sent_segments, tensor_ranges)
 from runtime.shm import Held
+
+log = logging.getLogger(__name__)
 
 _COPY_SLICE = 16 << 20  # memcpy slices, so a large copy does not hold the GIL for long
 
@@ -65,7 +69,8 @@ class TensorIndex:
 
 def answer_offer(keeper: _Receiving, rank: int, manifest: bytes, size: int) -> dict[str, Any]:
     """Reply to replica_offer: the offered tensors this keeper holds, and the steps of
-    ``rank`` it holds as replicas (a push of one of those is not needed)."""
+    ``rank`` it holds as replicas (a push of one of those is not needed), with the
+    ``check`` the sender verifies (so a rank or manifest changed in flight is noticed)."""
     tensors = tensor_ranges(manifest, size)
     candidates = dedup_candidates(tensors)
     have: list[int] = []
@@ -74,7 +79,7 @@ def answer_offer(keeper: _Receiving, rank: int, manifest: bytes, size: int) -> d
         found = keeper.tensor_index.find(keeper.ready_snapshots(), wanted)
         have = [i for i in candidates if (tensors[i][2], tensors[i][1]) in found]
     held = keeper.holdings().get(rank, {}).get("replica", [])
-    return {"have": have, "held": held}
+    return {"have": have, "held": held, "check": fields_check([rank, size, have, held], manifest)}
 
 
 def receive_push(keeper: _Receiving, rank: int, step: int, manifest: bytes,
@@ -82,8 +87,24 @@ def receive_push(keeper: _Receiving, rank: int, step: int, manifest: bytes,
     """Store the replica a replica_push frame carries (``manifest`` already read).
 
     Raises ReplicaInvalid (fields, sizes), SnapshotNotFound (a reused tensor is no
-    longer held: offer again) or SnapshotCorrupt (a chunk digest differs); then the
-    keeper keeps what it held and the server drains the rest of the frame."""
+    longer held: offer again) or SnapshotCorrupt (the header's check or a chunk digest
+    differs: changed in flight); then the keeper keeps what it held and the server
+    drains the rest of the frame. The reply's ``check`` binds what the sender records."""
+    try:
+        reply = _store_push(keeper, rank, step, manifest, header, payload)
+    except SnapshotCorrupt as exc:
+        log.warning("replica.refused node=%s rank=%d step=%d error=%s", keeper.node, rank,
+                    step, exc)
+        raise
+    return {**reply, "check": fields_check([rank, step, reply["held"], reply["evicted"]])}
+
+
+def _store_push(keeper: _Receiving, rank: int, step: int, manifest: bytes,
+                header: dict[str, Any], payload: IncomingPayload) -> dict[str, Any]:
+    if header.get("check") != push_check(header, manifest):
+        raise SnapshotCorrupt(f"replica push of rank {rank} step {step}: the header's check "
+                              f"{str(header.get('check'))[:32]!r} does not match its fields "
+                              "and manifest: changed in flight; the replica is refused")
     size, chunk_bytes, algo = header.get("size"), header.get("chunk_bytes"), header.get("digest")
     reuse = header.get("reuse", [])
     if type(size) is not int or size <= 0:

@@ -18,6 +18,15 @@ Two requests per push, on one authenticated connection (``runtime.frames``)::
         8-byte digest; chunk 1 + digest; ...        held stays) and the rest is drained
                                             ◀───  {evicted, held, received, reused}
 
+What is not a chunk travels checked too: a push header carries ``check``, a 128-bit
+blake2b over its identity and layout fields (rank, step, size, generation, chunk_bytes,
+digest, reuse, manifest_nbytes, nbytes) and the manifest bytes, so a bit flipped in the
+header or the manifest refuses the replica (``SnapshotCorrupt``) instead of storing it
+under another rank or step or with a damaged manifest. Offer and push replies carry a
+``check`` over what the sender acts on (rank, size, have, held; rank, step, held,
+evicted), which the sender recomputes from its own request: a mismatch fails the push
+(``SnapshotCorrupt``) and it is retried, never acknowledged.
+
 Chunk digests (8 bytes, little-endian) guard the bytes in flight, from the sender's
 shm to the receiver's: ``sum64`` (default) is the sum mod 2**64 of each part's 8-byte
 little-endian words (a part's last partial word zero-padded); ``crc32`` is zlib's CRC-32
@@ -41,6 +50,7 @@ model here. Tensors under ``MIN_DEDUP_BYTES`` are not worth the lookup.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import socket
 import struct
@@ -50,7 +60,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from configs.errors import FatalError, PeerUnreachable
+from configs.errors import FatalError, PeerUnreachable, SnapshotCorrupt
 from runtime.frames import (MAX_HEADER_BYTES, FrameInvalid, client_handshake, io_errors,
                             raise_for_reply, recv_header, register_remote_error)
 
@@ -63,6 +73,9 @@ _WORDS = np.dtype("<u8")
 _LEN = struct.Struct(">I")  # runtime.frames' header length prefix
 
 Range = tuple[int, int]  # (offset, nbytes) in a payload
+# the replica_push header fields ``check`` binds to the manifest (see the module docstring)
+PUSH_CHECKED = ("op", "rank", "step", "size", "generation", "chunk_bytes", "digest", "reuse",
+                "manifest_nbytes", "nbytes")
 
 
 @register_remote_error
@@ -89,6 +102,28 @@ def chunk_digest(parts: Sequence[memoryview], algo: str) -> bytes:
             crc = zlib.crc32(part, crc)
         return crc.to_bytes(8, "little")
     raise ReplicaInvalid(f"unknown chunk digest {algo!r}; use one of {CHUNK_DIGESTS}")
+
+
+# ----- header, manifest and reply checks ------------------------------------------------
+
+def fields_check(values: Sequence[Any], data: bytes = b"") -> str:
+    """128-bit blake2b (hex) over the JSON of ``values`` and ``data``: notices bytes
+    changed in flight (not a MAC: the handshake already authenticated the peer)."""
+    body = json.dumps(list(values), separators=(",", ":"), sort_keys=True).encode()
+    return hashlib.blake2b(body + b"\0" + bytes(data), digest_size=16).hexdigest()
+
+
+def push_check(header: dict[str, Any], manifest: bytes) -> str:
+    """The ``check`` of a replica_push header (with ``nbytes``) and its manifest."""
+    return fields_check([header.get(key) for key in PUSH_CHECKED], manifest)
+
+
+def verify_check(got: Any, values: Sequence[Any], data: bytes, what: str) -> None:
+    """SnapshotCorrupt unless ``got`` is the check of ``values`` and ``data``."""
+    want = fields_check(values, data)
+    if got != want:
+        raise SnapshotCorrupt(f"{what}: check {str(got)[:32]!r} differs from {want!r}: its "
+                              "header, manifest or reply changed in flight; refused")
 
 
 # ----- what a push sends ---------------------------------------------------------------
@@ -231,10 +266,14 @@ class ReplicaLink:
     def push(self, header: dict[str, Any], manifest: bytes, view: memoryview,
              segments: Sequence[Range], algo: str, check: Callable[[], None],
              first_timeout_s: float) -> dict[str, Any]:
-        """Stream a replica_push frame: manifest, then each chunk of ``segments`` of
-        ``view`` followed by its digest (computed just before it is sent)."""
+        """Stream a replica_push frame (its header ``check`` added): manifest, then each
+        chunk of ``segments`` of ``view`` followed by its digest (computed just before it
+        is sent)."""
         sock, chunk_bytes = self._live(), header["chunk_bytes"]
-        self._send_header(sock, header, push_nbytes(len(manifest), segments, chunk_bytes))
+        nbytes = push_nbytes(len(manifest), segments, chunk_bytes)
+        header = {**header, "nbytes": nbytes}
+        header["check"] = push_check(header, manifest)
+        self._send_header(sock, header, nbytes)
         with io_errors(self.where, "send replica"):
             sock.sendall(manifest)
             sock.settimeout(first_timeout_s)  # the receiver may allocate its buffer first

@@ -34,7 +34,7 @@ from runtime.frames import check_secret
 from runtime.keeper import Keeper
 from runtime.replica_wire import (CHUNK_DIGESTS, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ReplicaInvalid,
                                   ReplicaLink, dedup_candidates, push_nbytes, reused_ranges,
-                                  sent_segments, tensor_ranges)
+                                  sent_segments, tensor_ranges, verify_check)
 
 log = logging.getLogger(__name__)
 
@@ -379,6 +379,8 @@ class _Sender:
             return self._send(link, base, manifest, view, [(0, size)], [], check, [])
         offer = link.call({"op": "replica_offer", **base}, manifest)
         have, held_steps = offer.get("have"), offer.get("held")
+        verify_check(offer.get("check"), [rank, size, have, held_steps], manifest,
+                     f"{link.where}: replica_offer of rank {rank} step {step}")
         tensors = tensor_ranges(manifest, size)
         candidates = set(dedup_candidates(tensors))
         if not (isinstance(have, list) and all(type(i) is int and i in candidates for i in have)
@@ -401,8 +403,11 @@ class _Sender:
         check()
         reply = link.push(header, manifest, view, segments, self.owner.digest, check,
                           first_timeout)
+        held = reply.get("held")
+        verify_check(reply.get("check"), [base["rank"], base["step"], held, reply.get("evicted")],
+                     b"", f"{link.where}: replica_push of rank {base['rank']} step {base['step']}")
         sent = offered + push_nbytes(len(manifest), segments, self.owner.chunk_bytes)
-        return sent, sum(n for _, n in reused), list(reply.get("held", [base["step"]]))
+        return sent, sum(n for _, n in reused), list(held)
 
     def _failed(self, rank: int, step: int, exc: BaseException, *, preempted: bool) -> None:
         if self.owner._view(self) is None:  # retired or closing: the abort was ours

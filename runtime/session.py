@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -26,15 +27,21 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from configs.errors import LeaseLost, MembershipUnavailable, StaleGeneration
+from configs.errors import (InjectedFault, LeaseLost, MembershipUnavailable, PeerUnreachable,
+                            StaleGeneration)
 from runtime.base import MemberRecord
 from runtime.collective import Collective, CollectiveAborted
 from runtime.context import WorkerContext
 from runtime.generation import Fenced, GenerationWatcher
+from runtime.keeper_link import KeeperLink, keeper_address
 from runtime.keeper_wire import KeeperClient
 from runtime.membership_etcd import EtcdMembership, job_prefix
+from runtime.memory_map import write_memory_map
 from runtime.process_group import connect_store, connect_store_at
 from runtime.rejoin import restore_rank
+from runtime.replica_digest import REPLICAS_EXTRA
+from runtime.replica_repair import split_sources, try_repair
+from runtime.replica_verify import ReplicaVerifier, replicated_names
 from runtime.snapshotter import SnapshotPolicy, Snapshotter
 from runtime.state_tree import RNGState, assign_in_place, object_kind
 
@@ -96,7 +103,7 @@ class Session:
             self._objects["__rng__"] = RNGState()
         self.generation = self.context.generation
         self.recoveries = 0
-        self._keeper: KeeperClient | None = None
+        self._keeper: KeeperLink | None = None
         self._snapshotter: Snapshotter | None = None
         self._collective: Collective | None = None
         self._collective_error: dict[str, Any] | None = None
@@ -107,9 +114,11 @@ class Session:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._first_step_at = 0.0
+        self._restored: dict[str, Any] | None = None   # the last restore: step, source, bytes
         self._awaiting_first_step = False
         self._started = False
         self._agreement: tuple[Any, torch.Tensor] | None = None   # see _agree_interval
+        self._verifier: ReplicaVerifier | None = None    # detection.compare_replicas
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Session":
@@ -125,6 +134,7 @@ class Session:
             self._watcher = GenerationWatcher(self._membership).start()
         if ctx.keeper_port:
             self._start_snapshots()
+        _raise_on_sigusr1()
         restore = ctx.extra.get("restore")
         if isinstance(restore, dict):
             self._apply_restore(int(restore["step"]), restore["sources"], ctx.generation)
@@ -143,22 +153,40 @@ class Session:
             self._heartbeat = threading.Thread(target=self._beat, name="phalanx-heartbeat",
                                                daemon=True)
             self._heartbeat.start()
+        if ctx.run_dir:   # where the registered tensors live, for the corrupt_params drill
+            write_memory_map(ctx.run_dir, ctx.rank, ctx.worker_id, self.generation, self._objects)
         self._started = True
         return self
 
     def _start_snapshots(self) -> None:
         ctx = self.context
-        self._keeper = KeeperClient(ctx.keeper_host, ctx.keeper_port, ctx.secret or b"", ctx.job,
-                                    timeout_s=ctx.group_timeout_s, generation=ctx.generation)
+        client = self._open_keeper(ctx.keeper_host, ctx.keeper_port)
+        self._keeper = KeeperLink(client, self._open_keeper,
+                                  lambda: keeper_address(self._membership, ctx.node))
         every: int | str = "auto" if ctx.snapshot_every == "auto" else int(ctx.snapshot_every)
         self._snapshotter = Snapshotter(
-            self._keeper, job=ctx.job, rank=ctx.rank, generation=ctx.generation,
+            client, job=ctx.job, rank=ctx.rank, generation=ctx.generation,
             secret=ctx.secret, policy=SnapshotPolicy(every, ctx.overhead_budget),
             checksum_algo=ctx.checksum)
         if self._snapshotter.auto and not ctx.standalone_run and ctx.world_size > 1:
             self._snapshotter.agree_interval(1)     # see _agree_interval
+        names = replicated_names(ctx)
+        if names:
+            self._verifier = ReplicaVerifier(names, ctx.world_size, ctx.generation,
+                                             self._snapshotter)
         for obj in self._objects.values():
             self._hook_optimizer(obj)
+
+    def _open_keeper(self, host: str, port: int, timeout_s: float | None = None) -> KeeperClient:
+        ctx = self.context
+        return KeeperClient(host, port, ctx.secret or b"", ctx.job,
+                            timeout_s=timeout_s or ctx.group_timeout_s, generation=self.generation)
+
+    def _capture(self, snapshotter: Snapshotter) -> None:
+        """Snapshot the current step; skipped while the node's keeper is gone (it is being
+        replaced: ``runtime.keeper_link``)."""
+        assert self._keeper is not None
+        self._keeper.capture(snapshotter, self._progress.step_index, self._objects)
 
     def _hook_optimizer(self, obj: Any) -> None:
         """Snapshots copy the live tensors in the background while the next step's forward
@@ -178,7 +206,10 @@ class Session:
         self._stop.set()
         self._wake.set()
         if self._snapshotter is not None:
-            self._snapshotter.close()
+            try:
+                self._snapshotter.close()
+            except PeerUnreachable as exc:     # the keeper died under the last publish
+                log.warning("event=last_snapshot_lost rank=%d error=%s", self.rank, exc)
             self._snapshotter = None
         if self._keeper is not None:
             self._keeper.close()
@@ -271,7 +302,9 @@ class Session:
             self.start()
         snapshotter = self._snapshotter
         if snapshotter is not None and not snapshotter.has_captured:
-            snapshotter.capture(self._progress.step_index, self._objects)  # the initial state
+            self._capture(snapshotter)  # the initial state
+            if self._verifier is not None:
+                self._verifier.note_capture(self._progress.step_index)
         started = time.perf_counter()
         try:
             yield self._progress.step_index
@@ -286,13 +319,35 @@ class Session:
         if snapshotter is not None:
             snapshotter.observe_step(time.perf_counter() - started)
             if snapshotter.due(self._progress.step_index):
+                if not self._compare_replicas(collect=True):
+                    return
                 try:
-                    snapshotter.capture(self._progress.step_index, self._objects)
+                    self._capture(snapshotter)
                 except StaleGeneration as exc:  # the keeper already serves a newer generation
                     self._recover(f"snapshot fenced: {exc}")
                     return
+                if not self._compare_replicas(collect=False):
+                    return
                 if snapshotter.shares_interval:
                     self._agree_interval(snapshotter)
+
+    def _compare_replicas(self, collect: bool) -> bool:
+        """``detection.compare_replicas`` at a snapshot step (``runtime.replica_verify``):
+        collect the previous comparison before the capture (its verified step is what the
+        capture's slot claim protects), start the next one after it. False when a failed
+        collective made this rank recover instead."""
+        verifier = self._verifier
+        if verifier is None:
+            return True
+        try:
+            if not collect:
+                verifier.start(self._progress.step_index, self._start_reduce)
+            elif (found := verifier.collect(self._wait_reduce)) and found.state == "diverged":
+                self._wake.set()        # the launcher learns it at once, not next heartbeat
+        except CollectiveAborted as exc:
+            self._recover(str(exc))
+            return False
+        return True
 
     def _agree_interval(self, snapshotter: Snapshotter) -> None:
         """``every_steps: auto`` in a multi-rank job: at each snapshot step (the same on
@@ -385,8 +440,20 @@ class Session:
 
     def _apply_restore(self, step: int, sources: Any, generation: int) -> None:
         ctx = self.context
-        restore_rank(self._objects, ctx.rank, step, sources, job=ctx.job, secret=ctx.secret,
-                     timeout_s=ctx.group_timeout_s, generation=generation, local_node=ctx.node)
+        started = time.perf_counter()
+        sources, peers = split_sources(sources)
+        result = restore_rank(self._objects, ctx.rank, step, sources, job=ctx.job,
+                              secret=ctx.secret, timeout_s=ctx.group_timeout_s,
+                              generation=generation, local_node=ctx.node)
+        # silent corruption: the replicated objects from a healthy peer's snapshot
+        repaired = try_repair(self._objects, step, peers, job=ctx.job, secret=ctx.secret,
+                              timeout_s=ctx.group_timeout_s, generation=generation)
+        self._restored = {"generation": generation, "step": step, "source": result.source,
+                          "bytes": result.manifest.total_bytes,
+                          "seconds": round(time.perf_counter() - started, 4),
+                          "refused": [f"{where}: {why}"[:160] for where, why in result.failures]}
+        if repaired is not None:
+            self._restored.update(source=repaired, own_source=result.source)
         self.generation = generation
         self._agreement = None          # started in the old generation's group: dropped
         if self._snapshotter is not None:
@@ -394,6 +461,10 @@ class Session:
             self._snapshotter.rewind(step)
         if self._keeper is not None:
             self._keeper.drop(ctx.rank, above_step=step)
+        if self._verifier is not None:
+            self._verifier.reset(step, generation)
+        if ctx.run_dir:
+            write_memory_map(ctx.run_dir, ctx.rank, ctx.worker_id, generation, self._objects)
 
     # -- progress ----------------------------------------------------------------------
     def _record(self, state: str = "running") -> MemberRecord:
@@ -402,21 +473,57 @@ class Session:
                             step=self._progress.step_index, generation=self.generation,
                             pid=os.getpid(), extra={"state": state, "time": time.time(),
                                                     "first_step_at": self._first_step_at,
-                                                    "collective_error": self._collective_error})
+                                                    "collective_error": self._collective_error,
+                                                    "restored": self._restored,
+                                                    **self._replica_extra()})
+
+    def _replica_extra(self) -> dict[str, Any]:
+        verifier = self._verifier
+        return {} if verifier is None else {REPLICAS_EXTRA: verifier.status().to_extra()}
 
     def _beat(self) -> None:
-        """Heartbeat thread: refresh our member record (progress) every heartbeat."""
+        """Heartbeat thread: refresh our member record (progress) every heartbeat. etcd
+        unreachable: tried again next beat; our lease gone (etcd lost it, or an outage
+        outlived it): joined again under a new lease, which puts the record back."""
         assert self._membership is not None
         last = None
         while not self._stop.is_set():
             self._wake.wait(self.context.heartbeat_s)
             self._wake.clear()
             current = (self._progress.step_index, self.generation, self._first_step_at,
-                       self._collective_error)
+                       self._collective_error, self._replica_extra())
+            if self._membership.lease_lost:     # etcd lost it: the record goes back with it
+                last = current if self._rejoin() else None
             if current == last:
                 continue
-            last = current
             try:
                 self._membership.update(self._record())
-            except (MembershipUnavailable, LeaseLost) as exc:
+                last = current
+            except LeaseLost as exc:
+                log.warning("event=member_lease_lost rank=%d error=%s", self.rank, exc)
+                last = current if self._rejoin() else None
+            except MembershipUnavailable as exc:
                 log.warning("event=heartbeat_failed rank=%d error=%s", self.rank, exc)
+
+    def _rejoin(self) -> bool:
+        """Join membership again under a fresh lease, which puts our record back
+        (heartbeat thread); False when etcd did not take it (tried again next beat)."""
+        assert self._membership is not None
+        try:
+            self._membership.join(self._record(), self.context.lease_ttl_s)
+        except (MembershipUnavailable, LeaseLost) as exc:
+            log.warning("event=member_rejoin_failed rank=%d error=%s", self.rank, exc)
+            return False
+        log.warning("event=member_rejoined rank=%d", self.rank)
+        return True
+
+
+def _raise_on_sigusr1() -> None:
+    """A drill's ``worker_exception`` fault: SIGUSR1 makes the training thread raise
+    ``InjectedFault`` wherever it is in its step, as a real bug or a device error would.
+    Only from the main thread (where Python runs signal handlers)."""
+    def handler(signum: int, frame: object) -> None:
+        raise InjectedFault(f"drill: worker_exception injected with signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, handler)

@@ -18,11 +18,11 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-from runtime.keeper_wire import KeeperClient
+from runtime.keeper_wire import KeeperClient, SlotBusy
 from runtime.checksum import DEFAULT_ALGO, DigestJob, check_algo, finish, helpers
 from runtime.snapshot_format import (SnapshotLayout, landing_job, make_manifest, plan_layout,
                                      start_write, write_into, write_job)
@@ -214,10 +214,39 @@ class Snapshotter:
         self._copied.set()
         self._lock = threading.Lock()
         self.stats = SnapshotStats()
+        # cross-replica verification (runtime.replica_verify): the step the keeper must not
+        # overwrite, and a callback (step, checksums, tree spec) after each publish
+        self.protect_step: int | None = None
+        self.on_published: Callable[[int, Mapping[str, str], dict], None] | None = None
 
     def set_generation(self, generation: int) -> None:
         self._generation = generation
         self._client.generation = generation
+
+    def skip(self, step: int) -> None:
+        """Count ``step`` as snapshotted though its keeper is gone (every rank keeps
+        snapshotting the same steps); a publish still in flight is waited for and its error
+        dropped."""
+        self._settle()
+        self._last_capture_step = self.stats.last_capture_step = step
+
+    def use_client(self, client: KeeperClient) -> None:
+        """Snapshot through ``client`` (a keeper that replaced a lost one) from now on: the
+        next capture allocates its slots there."""
+        self._settle()
+        client.generation = self._generation
+        self._client = client
+        for mapping in self._maps.values():
+            _close_map(mapping)
+        self._maps, self._layout = {}, None
+
+    def _settle(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception as exc:  # a publish to the lost keeper: that snapshot is gone
+                log.info("event=snapshot_dropped rank=%d error=%r", self._rank, exc)
 
     @property
     def has_captured(self) -> bool:
@@ -336,7 +365,16 @@ class Snapshotter:
         return layout
 
     def _claim(self, layout: SnapshotLayout) -> tuple[int, memoryview]:
-        slot, path = self._client.claim(self._rank)
+        protect = self.protect_step
+        try:
+            slot, path = self._client.claim(self._rank, protect)
+        except SlotBusy:
+            if protect is None:
+                raise
+            # a reader pins the only other slot: overwrite the protected step rather than
+            # fail the step (a rollback to it then falls back to an older source)
+            log.warning("event=protected_slot_given_up rank=%d step=%d", self._rank, protect)
+            slot, path = self._client.claim(self._rank)
         self.stats.committed_step = self._client.committed
         return slot, memoryview(self._maps[path])[:layout.total_bytes]
 
@@ -365,6 +403,8 @@ class Snapshotter:
         if self._secret:
             manifest = manifest.sign(self._secret)
         self._client.publish(self._rank, step, slot, manifest.to_json(), layout.total_bytes)
+        if self.on_published is not None:
+            self.on_published(step, sums, spec)
         background = time.perf_counter() - started
         if stall is not None:   # and the replicas the keeper pushed of the previous snapshot
             self._control.observe_work(stall + background + self._client.replication_s)

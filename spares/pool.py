@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -13,6 +14,7 @@ import ray
 from spares.actor import WorkerActor
 
 log = logging.getLogger(__name__)
+HEALTH_EVERY_S = 1.0      # how often an idle spare is pinged
 
 
 @dataclass
@@ -50,6 +52,8 @@ class SparePool:
         self._custom = extra
         self._allowed = set(nodes) if nodes else None
         self._replenish = replenish
+        self._health: dict[str, Any] = {}          # spare id -> pending health ping
+        self._next_health: dict[str, float] = {}
 
     def start(self, nodes: list[int]) -> "SparePool":
         usable = self._usable(nodes)
@@ -106,7 +110,38 @@ class SparePool:
                 self._spares.pop(refs[ref], None)
         return {spare_id: node for spare_id, node in ready.items() if spare_id in warm}
 
+    def check(self, live_nodes: set[int], now: float | None = None) -> list[str]:
+        """Find warm spares that died while idle (a health ping every ``HEALTH_EVERY_S``
+        fails) and replace them; returns the lost spare ids. Non-blocking."""
+        now = time.monotonic() if now is None else now
+        lost = []
+        for spare_id, spare in list(self._spares.items()):
+            probe = self._health.get(spare_id)
+            if probe is None:
+                if now >= self._next_health.get(spare_id, 0.0):
+                    self._health[spare_id] = spare.actor.ping.remote()
+                continue
+            done, _ = ray.wait([probe], timeout=0)
+            if not done:
+                continue
+            del self._health[spare_id]
+            self._next_health[spare_id] = now + HEALTH_EVERY_S
+            try:
+                ray.get(probe, timeout=0)
+            except Exception as exc:  # the spare's process is gone: drop and replace it
+                log.warning("event=spare_lost spare=%s error=%r", spare_id, str(exc)[:200])
+                self._spares.pop(spare_id, None)
+                lost.append(spare_id)
+        if lost:
+            self.refill(sorted(live_nodes))
+        return lost
+
+    def actors(self) -> dict[str, Any]:
+        """spare id -> actor handle of every spare in the pool (warm or warming)."""
+        return {spare_id: spare.actor for spare_id, spare in self._spares.items()}
+
     def take(self, spare_id: str) -> Spare:
+        self._health.pop(spare_id, None)
         return self._spares.pop(spare_id)
 
     def refill(self, live_nodes: list[int], at_least: int = 0) -> None:

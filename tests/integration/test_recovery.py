@@ -150,7 +150,7 @@ def test_killed_node_is_restored_from_replicas(tmp_path: Path, fault_free: Launc
 def test_two_lost_nodes_roll_back_to_the_disk_checkpoint(tmp_path: Path,
                                                           fault_free: LaunchResult) -> None:
     result = launch("configs/demo.yaml", *JOB, "job.nodes=3", "ray.virtual_nodes=3",
-                    "spares.count=3", "drills.scenario=configs/drills/two_nodes.yaml",
+                    "spares.count=3", "drills.scenario=configs/drills/tier_fallback.yaml",
                     run_root=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.hashes == fault_free.hashes

@@ -1,0 +1,142 @@
+"""``phalanx drill`` end to end, as a user runs it: every shipped scenario passes its own
+expectations against a fault-free reference (real etcd, Ray, gloo, signals); a broken
+expectation fails with a clear line; a fault injected into a running job through etcd is
+fired and recovered; a seeded chaos campaign of 10 faults ends bit-identical."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.launching import ROOT, phalanx_command
+
+pytestmark = pytest.mark.integration
+SCENARIOS = sorted(p.stem for p in (ROOT / "configs" / "drills").glob("*.yaml"))
+ENV = {**os.environ, "COLUMNS": "160"}
+
+
+@pytest.fixture(scope="module")
+def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run root for the module: fault-free references are cached there and shared."""
+    return tmp_path_factory.mktemp("drills")
+
+
+def drill(*args: str, run_root: Path, timeout_s: float = 420) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "launcher.cli", "drill", *args,
+           "--set", f"job.run_dir={run_root}", "--set", "job.name=drill"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                          env=ENV)
+
+
+def report_of(result: subprocess.CompletedProcess) -> dict:
+    line = next(ln for ln in result.stderr.splitlines() if ln.startswith("report: ")
+                and ln.endswith(".json"))
+    json_path = Path(line.removeprefix("report: "))
+    report = json.loads(json_path.read_text())
+    assert (json_path.parent / "drill-report.md").is_file()
+    assert (json_path.parent / "drill-report.png").read_bytes()[:4] == b"\x89PNG"
+    return report
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_shipped_scenario_passes(name: str, run_root: Path) -> None:
+    result = drill("run", f"configs/drills/{name}.yaml", "--verify", run_root=run_root)
+    assert result.returncode == 0, result.stderr[-5000:]
+    report = report_of(result)
+    assert report["passed"], report["checks"]
+    assert "drill PASSED" in result.stderr
+    rows = {row["check"]: row for row in report["checks"]}
+    assert rows["every fault fired"]["ok"]
+    if report["scenario"].get("expect", {}).get("final_state") == "identical":
+        assert rows["final state"]["measured"] == "identical"
+
+
+@pytest.mark.timeout(600)
+def test_a_broken_expectation_fails_with_a_clear_line(run_root: Path, tmp_path: Path) -> None:
+    """Snapshots every 10 steps and a kill after step 21: the rollback recomputes steps,
+    so ``max_lost_steps: 0`` cannot hold and the drill must say so and exit 1."""
+    scenario = tmp_path / "strict.yaml"
+    scenario.write_text(yaml.safe_dump({
+        "name": "strict", "overrides": {"snapshot.every_steps": 10},
+        "faults": [{"kind": "kill_worker", "target": {"rank": 1},
+                    "trigger": {"at_step": 21}}],
+        "expect": {"max_lost_steps": 0, "final_state": "identical"}}))
+    result = drill("run", str(scenario), "--verify", run_root=run_root)
+    assert result.returncode == 1, result.stderr[-3000:]
+    report = report_of(result)
+    lost = next(r for r in report["checks"] if r["check"] == "lost steps")
+    assert not lost["ok"] and lost["measured"] >= 1
+    assert "expected <= 0" in lost["text"] and "FAIL" in lost["text"]
+    assert "drill FAILED" in result.stderr
+    final = next(r for r in report["checks"] if r["check"] == "final state")
+    assert final["ok"], "the recovery itself must still be exact"
+
+
+@pytest.mark.timeout(600)
+def test_inject_into_a_running_job_through_etcd(run_root: Path) -> None:
+    job = ("job.name=inject", "job.args.steps=150")
+    cmd = phalanx_command("configs/demo.yaml", *job, run_root=run_root)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV)
+    try:
+        run_dir = _wait_training(run_root)
+        result = subprocess.run(
+            [sys.executable, "-m", "launcher.cli", "drill", "inject", "kill_worker",
+             "--job", str(run_dir), "--rank", "2"], cwd=ROOT, capture_output=True, text=True,
+            timeout=60, env=ENV)
+        assert result.returncode == 0, result.stderr
+        assert "fired at step" in result.stderr
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
+    fired = [e for e in events if e["event"] == "drill_fault"]
+    assert len(fired) == 1 and fired[0]["origin"] == "inject" and fired[0]["target"] == "rank 2"
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert len(recovered) == 1 and recovered[0]["ranks"] == [2]
+    reference = subprocess.run(phalanx_command("configs/demo.yaml", *job, run_root=run_root),
+                               cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert _hashes(out) and _hashes(out) == _hashes(reference.stdout)
+
+
+def _wait_training(run_root: Path, timeout_s: float = 120) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        latest = run_root / "latest"
+        if latest.is_file():
+            run_dir = Path(latest.read_text().strip())
+            events = run_dir / "events.jsonl"
+            if events.is_file() and '"progress"' in events.read_text():
+                text = events.read_text()
+                steps = [json.loads(line)["max_step"] for line in text.splitlines()
+                         if '"progress"' in line]
+                if steps and steps[-1] >= 10:
+                    return run_dir
+        time.sleep(0.3)
+    raise AssertionError("the job never started training")
+
+
+def _hashes(stdout: str) -> list[str]:
+    return [line.split()[-1] for line in stdout.splitlines() if "final parameter hash" in line]
+
+
+@pytest.mark.timeout(900)
+def test_chaos_campaign_of_ten_faults_ends_bit_identical(run_root: Path) -> None:
+    result = drill("chaos", "--faults", "10", "--seed", "11", "--max-minutes", "8",
+                   run_root=run_root, timeout_s=840)
+    assert result.returncode == 0, result.stderr[-5000:]
+    report = report_of(result)
+    assert report["passed"]
+    fired = [f for f in report["faults"] if f.get("step") is not None]
+    assert len(fired) == 10
+    final = next(r for r in report["checks"] if r["check"] == "final state")
+    assert final["measured"] == "identical"

@@ -1,0 +1,193 @@
+"""Drill scenarios: validation with clear errors, triggers (step, time, seeded
+probability), the injector firing faults through a fake job, etcd-injected faults, and the
+chaos campaign's reproducible draw. Every shipped scenario must load."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from configs.errors import ConfigError
+from configs.loader import load_config
+from launcher.chaos import chaos_scenario, draw_faults
+from launcher.drills import load_scenario, parse_scenario, probability_step
+from launcher.faults import FaultSpec, catalogue
+from launcher.injector import INJECT_PREFIX, Deferred, Injector
+from runtime.base import MemberRecord
+from runtime.membership_memory import InMemoryMembership as MemoryMembership
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((ROOT / "configs" / "drills").glob("*.yaml"))
+
+
+def scenario(*faults: dict, **top: Any) -> dict:
+    return {"name": "t", "faults": list(faults), **top}
+
+
+KILL = {"kind": "kill_worker", "target": {"rank": 1}, "trigger": {"at_step": 5}}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_scenario_loads_and_its_overrides_are_valid_config(path: Path) -> None:
+    loaded = load_scenario(path)
+    assert loaded.faults and loaded.expect
+    load_config(str(ROOT / "configs" / "demo.yaml"), loaded.override_args())
+
+
+@pytest.mark.parametrize("raw, key, fragment", [
+    (scenario(), "faults", "non-empty list"),
+    (scenario({**KILL, "kind": "explode"}), "faults[0].kind", "not a known fault"),
+    (scenario({**KILL, "target": {"node": 1}}), "faults[0].target.rank", "not a rank index"),
+    (scenario({**KILL, "trigger": {}}), "faults[0].trigger", "no trigger"),
+    (scenario({**KILL, "trigger": {"at_step": 0}}), "faults[0].trigger.at_step", "step >= 1"),
+    (scenario({**KILL, "trigger": {"at_step": 3, "at_time_s": 1}}), "faults[0].trigger",
+     "names"),
+    (scenario({**KILL, "trigger": {"probability": 1.5, "steps": [1, 9]}}),
+     "faults[0].trigger.probability", "(0, 1]"),
+    (scenario({**KILL, "trigger": {"probability": 0.5, "steps": [9, 1]}}),
+     "faults[0].trigger.steps", "[first, last]"),
+    (scenario({**KILL, "params": {"for_s": 1}}), "faults[0].params.for_s", "not a parameter"),
+    (scenario({"kind": "hang_worker", "target": {"rank": 0}, "trigger": {"at_step": 2},
+               "params": {"for_s": "long"}}), "faults[0].params.for_s", "is not a float"),
+    (scenario({"kind": "corrupt_snapshot", "target": {"rank": 0}, "trigger": {"at_step": 2},
+               "params": {"where": "cloud"}}), "faults[0].params.where", "not allowed"),
+    (scenario({"kind": "kill_spare", "target": {"role": "keeper"}, "trigger": {"at_step": 2}}),
+     "faults[0].target.role", "not a role"),
+    (scenario(KILL, expect={"max_lost_steps": -1}), "expect.max_lost_steps", "integer >= 0"),
+    (scenario(KILL, expect={"final_state": "close"}), "expect.final_state", "identical or any"),
+    (scenario(KILL, expect={"speed": 1}), "expect.speed", "not a drill key"),
+    (scenario(KILL, needs=["gpu"]), "needs", "not a list of"),
+    (scenario(KILL, colour="red"), "colour", "not a drill key"),
+])
+def test_bad_scenarios_name_the_key_value_and_fix(raw: dict, key: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_scenario(raw, "drill.yaml")
+    assert caught.value.key == key and fragment in str(caught.value), str(caught.value)
+    assert "drill.yaml" in str(caught.value)
+
+
+def test_unreadable_scenario_file_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_scenario(tmp_path / "missing.yaml")
+
+
+def test_probability_trigger_is_seeded_and_inside_its_range() -> None:
+    spec = FaultSpec("kill_worker", index=2, rank=0, probability=0.2, steps=(10, 60), seed=7)
+    first = probability_step(spec)
+    assert first is not None and 10 <= first <= 60
+    assert probability_step(spec) == first                       # same seed, same step
+    others = {probability_step(FaultSpec("kill_worker", index=2, rank=0, probability=0.2,
+                                         steps=(10, 60), seed=s)) for s in range(20)}
+    assert len(others) > 3                                         # the seed matters
+    never = FaultSpec("kill_worker", rank=0, probability=1e-9, steps=(1, 3), seed=1)
+    assert probability_step(never) is None
+
+
+class FakeEnv:
+    """Records what mechanisms do to the job; a process table instead of real pids."""
+
+    def __init__(self) -> None:
+        self.signals: list[tuple[int, int]] = []
+        self.emitted: list[tuple[str, dict]] = []
+        self.deferred = Deferred(clock=lambda: self.now)
+        self.now = 0.0
+        self.run_dir = Path("/nonexistent")
+        self.shm_dir, self.job = "/dev/shm", "t"
+
+    def rank_pid(self, rank: int) -> int:
+        return 1000 + rank
+
+    def config(self) -> Any:
+        return load_config(str(ROOT / "configs" / "demo.yaml"), [])
+
+    def later(self, seconds: float, action: Callable[[], None]) -> None:
+        self.deferred.add(seconds, action)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        self.emitted.append((event, fields))
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEnv:
+    env = FakeEnv()
+    import launcher.faults_process as process
+
+    monkeypatch.setattr(process.os, "kill", lambda pid, sig: env.signals.append((pid, sig)))
+    return env
+
+
+def member(rank: int, step: int) -> MemberRecord:
+    return MemberRecord(worker_id=f"w{rank}", rank=rank, node="node0", step=step, generation=0,
+                        pid=1000 + rank)
+
+
+def test_injector_fires_each_fault_once_when_due_and_undoes_a_timed_hang(fake: FakeEnv) -> None:
+    import signal
+
+    raw = scenario(KILL, {"kind": "hang_worker", "target": {"rank": 2},
+                          "trigger": {"at_time_s": 2.0}, "params": {"for_s": 1.5}})
+    membership = MemoryMembership()
+    injector = Injector(parse_scenario(raw, "t.yaml"), fake, membership, fake.deferred,
+                        clock=lambda: fake.now)
+    injector.poll({"w0": member(0, 4)})
+    assert fake.signals == []
+    fake.now = 0.5
+    injector.poll({"w0": member(0, 5)})             # step 5 reached; clock starts at step 1
+    assert fake.signals == [(1001, signal.SIGKILL)]
+    fake.now = 2.4
+    injector.poll({"w0": member(0, 9)})
+    assert fake.signals[-1] == (1002, signal.SIGSTOP)
+    fake.now = 3.5
+    injector.poll({"w0": member(0, 12)})
+    assert fake.signals[-1] == (1002, signal.SIGSTOP)  # 1.5 s not over yet
+    fake.now = 4.0
+    injector.poll({"w0": member(0, 14)})
+    assert fake.signals[-1] == (1002, signal.SIGCONT)
+    fired = [f for e, f in fake.emitted if e == "drill_fault"]
+    assert [(f["kind"], f["step"], f["target"]) for f in fired] == [
+        ("kill_worker", 5, "rank 1"), ("hang_worker", 9, "rank 2")]
+    assert [e for e, _ in fake.emitted].count("drill_fault_end") == 1
+
+
+def test_faults_written_to_etcd_are_fired_and_bad_ones_refused(fake: FakeEnv) -> None:
+    import json
+    import signal
+
+    membership = MemoryMembership()
+    injector = Injector(None, fake, membership, fake.deferred, clock=lambda: fake.now)
+    membership.put(INJECT_PREFIX + "a", json.dumps(
+        {"kind": "kill_worker", "target": {"rank": 3}, "trigger": {"at_time_s": 0}}).encode())
+    membership.put(INJECT_PREFIX + "b", b'{"kind": "melt", "target": {}, "trigger": {}}')
+    injector.poll({"w0": member(0, 7)})
+    assert fake.signals == [(1003, signal.SIGKILL)]
+    assert membership.list_prefix(INJECT_PREFIX) == []
+    refused = [f for e, f in fake.emitted if e == "drill_inject_refused"]
+    assert len(refused) == 1 and "not a known fault" in refused[0]["error"]
+    fired = [f for e, f in fake.emitted if e == "drill_fault"]
+    assert fired[0]["origin"] == "inject"
+
+
+def test_a_mechanism_that_fails_is_reported_not_raised(fake: FakeEnv) -> None:
+    raw = scenario({"kind": "kill_spare", "target": {"role": "spare"}, "trigger": {"at_step": 1}})
+    fake.spare_pids = lambda: {}
+    injector = Injector(parse_scenario(raw, "t.yaml"), fake, MemoryMembership(), fake.deferred)
+    injector.poll({"w0": member(0, 1)})
+    fired = [f for e, f in fake.emitted if e == "drill_fault"]
+    assert "no spare to kill" in fired[0]["details"]["error"]
+
+
+def test_chaos_draw_is_reproducible_recoverable_and_spaced() -> None:
+    cfg = load_config(str(ROOT / "configs" / "demo.yaml"), [])
+    first, again = draw_faults(cfg, 10, seed=3), draw_faults(cfg, 10, seed=3)
+    assert first == again and draw_faults(cfg, 10, seed=4) != first
+    kinds = catalogue()
+    assert all(kinds[f["kind"]].chaos and not kinds[f["kind"]].needs for f in first)
+    assert all(f["kind"] != "kill_node" for f in first)          # 2 nodes: none to spare
+    steps = [f["trigger"]["at_step"] for f in first]
+    assert steps == sorted(steps) and len(set(steps)) == 10
+    raw = chaos_scenario(cfg, 10, 3, max_minutes=5)
+    parsed = parse_scenario(raw, "chaos.yaml")
+    assert raw["overrides"]["job.args.steps"] > max(steps)
+    assert parsed.expect["final_state"] == "identical"
