@@ -20,7 +20,8 @@ from launcher.events import EventLog
 from launcher.keeper_actor import node_name
 from recovery.base import (Abort, FaultKind, FaultReport, PromoteSpare, RecoveryPlan,
                            RepairFromPeer, ReplicaMap, RestartWorker, RestoreFromKeeper,
-                           RestoreFromTier, Rollback, SpareInventory, TierInventory, WaitForCapacity, WorldView)
+                           RestoreFromTier, Rollback, SpareInventory, TierInventory,
+                           WaitForCapacity, WorldView)
 from recovery.phases import Phase, PhaseMachine
 from recovery.planner import RecoveryPolicy, plan_recovery
 from runtime.base import MemberRecord, Membership

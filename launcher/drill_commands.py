@@ -92,7 +92,8 @@ def run_scenario(config: str, overrides: Sequence[str], scenario_path: str, cons
         reference, source = (reference_hashes(config, overrides, console, fresh_reference)
                              if verify else (None, "none (run with --verify)"))
         console.print(f"drilled run: {len(scenario.faults)} fault(s) injected")
-        drilled = launch(config, [*overrides, f"drills.scenario={scenario_path}"])
+        run = launch_with_standby if "standby" in scenario.needs else launch
+        drilled = run(config, [*overrides, f"drills.scenario={scenario_path}"])
     events = read_events(drilled.run_dir / "events.jsonl") if drilled.run_dir else []
     failed = next((e for e in events if e["event"] == "job_failed"), None)
     if failed is not None:
@@ -198,6 +199,8 @@ class DrillServices:
         self._closers: list[Any] = []
 
     def __enter__(self) -> "DrillServices":
+        if "standby" in self.scenario.needs:
+            self._start_standby_services()
         if "s3" in self.scenario.needs:
             from launcher.local_s3 import start_local_s3
 
@@ -208,9 +211,68 @@ class DrillServices:
             self.console.print(f"local S3 endpoint for the drill: {s3.endpoint_url}")
         return self
 
+    def _start_standby_services(self) -> None:
+        """A standby launcher needs services that outlive the leader: an etcd and a Ray
+        cluster of their own processes, as an operator's would be."""
+        import tempfile
+
+        from launcher.etcd_server import EmbeddedEtcd
+
+        data = Path(tempfile.mkdtemp(prefix="phalanx-drill-etcd-"))
+        etcd = EmbeddedEtcd(data / "etcd").start()
+        self._closers.append(etcd.close)
+        ray_proc = subprocess.Popen([sys.executable, "-m", "launcher.ray_cluster", "--nodes",
+                                     "2", "--cpus-per-node", "4"], stdout=subprocess.PIPE,
+                                    text=True)
+        self._closers.append(lambda: _stop(ray_proc))
+        assert ray_proc.stdout is not None
+        address = json.loads(ray_proc.stdout.readline())["address"]
+        self.overrides += ["coordinator.standby=true", f"etcd.endpoints=[{etcd.endpoint!r}]",
+                           f"ray.address={address}"]
+        self.console.print(f"standby drill: etcd {etcd.endpoint}, Ray {address}")
+
     def __exit__(self, *exc: object) -> None:
         for close in reversed(self._closers):
             close()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def launch_with_standby(config: str, overrides: Sequence[str]) -> RunOutcome:
+    """The leader and, once it leads a running job, a standby: the scenario kills the
+    leader; the standby's outcome is the run's (its stdout has the final hashes)."""
+    cmd = [sys.executable, "-m", "launcher.cli", "launch", config]
+    for item in overrides:
+        cmd += ["--set", item]
+    started = time.monotonic()
+    leader = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+    root = Path(load_config(config, overrides).job.run_dir)
+    before = (root / "latest").read_text() if (root / "latest").is_file() else ""
+    while leader.poll() is None and not _placed(root, before):
+        time.sleep(0.2)
+    standby = subprocess.run(cmd + ["--standby"], stdout=subprocess.PIPE, stderr=None,
+                             text=True)
+    leader.wait()
+    run = RUN_RE.search(standby.stdout)
+    return RunOutcome(standby.returncode, {int(r): h for r, h in HASH_RE.findall(standby.stdout)},
+                      Path(run.group(1)) if run else _latest_run(config, overrides),
+                      "" if standby.returncode == 0 else f"exit {standby.returncode}",
+                      round(time.monotonic() - started, 2))
+
+
+def _placed(root: Path, before: str) -> bool:
+    """The leader's new run has placed its workers (its state is published)."""
+    latest = root / "latest"
+    if not latest.is_file() or latest.read_text() == before:
+        return False
+    events = Path(latest.read_text().strip()) / "events.jsonl"
+    return events.is_file() and '"placement"' in events.read_text()
 
 
 def inject_fault(args: argparse.Namespace, console: Console) -> int:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from configs.errors import ConfigError, PhalanxError
+from configs.errors import ConfigError, FatalError
 from launcher.faults import FaultEnv, FaultSpec, Mechanism, register
 from runtime.memory_map import read_memory_maps
 
 log = logging.getLogger(__name__)
 
 
-class MemoryFaultFailed(PhalanxError):
+class MemoryFaultFailed(FatalError):
     """The worker's memory could not be read or written (the process is gone, or the
     launcher may not ptrace it: run as root or with CAP_SYS_PTRACE)."""
 

@@ -24,7 +24,8 @@ from launcher.takeover import keeper_actor_name
 from runtime.shm import remove_stale, shm_prefix
 
 log = logging.getLogger(__name__)
-PROBE_EVERY_S = 0.5        # how often each keeper actor is asked whether it lives
+PROBE_EVERY_S = 0.5        # how often each keeper actor is asked whether it lives ...
+WATCHED_PROBE_EVERY_S = 5.0   # ... a safety net only when the node watch sees keepers die
 START_TIMEOUT_S = 60.0     # a new keeper that has not answered by then failed to start
 MAX_ATTEMPTS = 3           # starts tried per lost keeper before the job is told it failed
 
@@ -73,6 +74,7 @@ class KeeperRestarts:
         self._clock = clock
         self._probes: dict[int, Any] = {}          # node -> ref of a pid() call in flight
         self._next_probe = 0.0
+        self._probe_every = PROBE_EVERY_S if watch is None else WATCHED_PROBE_EVERY_S
         self._starting: dict[int, _Starting] = {}
         self._retry: dict[int, tuple[float, float, str, int]] = {}   # node -> lost, wall, ...
         self._announced: set[int] = set()          # nodes whose keeper_lost was emitted
@@ -97,7 +99,8 @@ class KeeperRestarts:
     # -- noticing ------------------------------------------------------------------------
     def _dead_actors(self, now: float) -> list[int]:
         """Nodes whose keeper actor Ray reports dead (probes answered since the last poll);
-        asks every live keeper again at most every ``PROBE_EVERY_S``."""
+        asks every live keeper again every ``PROBE_EVERY_S`` (``WATCHED_PROBE_EVERY_S`` when
+        the node watch reports dead keepers within milliseconds)."""
         dead = []
         if self._probes:
             refs = {ref: node for node, ref in self._probes.items()}
@@ -112,7 +115,7 @@ class KeeperRestarts:
                 except Exception as exc:  # a probe that failed otherwise proves nothing
                     log.info("event=keeper_probe_failed node=%s error=%r", node_name(node), exc)
         if now >= self._next_probe:
-            self._next_probe = now + PROBE_EVERY_S
+            self._next_probe = now + self._probe_every
             for node in self._live():
                 if node not in self._probes and node not in self._starting:
                     self._probes[node] = self._keepers[node][0].pid.remote()

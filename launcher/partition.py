@@ -1,8 +1,10 @@
 """A network partition of one virtual node on one machine: for as long as it lasts, every
 TCP connection between the node's processes (its raylet and everything below it: workers,
 keeper, spares, agents) and any other process is destroyed by the kernel (SOCK_DESTROY,
-``ss -K``), new ones within ``CUT_EVERY_S``; connections inside the node stay. The node's
-processes keep running, cut off, as behind a failed switch."""
+``ss -K``), new ones within ``CUT_EVERY_S``, and its listening sockets are closed (the
+others' connects are refused); connections inside the node stay. The node's processes keep
+running, cut off, as behind a failed switch. After the partition heals they can reach out
+again but nobody can reach them: by then phalanx must have fenced the node."""
 from __future__ import annotations
 
 import logging
@@ -66,9 +68,11 @@ def socket_inodes(pids: Iterable[int]) -> set[int]:
 
 def crossing(sockets: list[Socket], inside: set[int]) -> list[tuple[int, int]]:
     """(local port, remote port) of every connected socket with exactly one end inside the
-    node (both ends are listed: each is destroyed). Pure: the decision of what to cut."""
+    node (both ends are listed: each is destroyed), and (port, 0) of the node's listening
+    sockets (closed: the others' connects are refused, as to a host cut off). Pure: the
+    decision of what to cut."""
     by_ports = {(s.local_port, s.remote_port): s for s in sockets if not s.listening}
-    cut = []
+    cut = [(s.local_port, 0) for s in sockets if s.listening and s.inode in inside]
     for sock in by_ports.values():
         if sock.remote_port == 0:
             continue
@@ -81,13 +85,16 @@ def crossing(sockets: list[Socket], inside: set[int]) -> list[tuple[int, int]]:
 
 
 def destroy(pairs: list[tuple[int, int]]) -> int:
-    """Destroy the sockets with these (local, remote) ports; returns how many were asked."""
-    if not pairs:
-        return 0
-    clauses = " or ".join(f"( sport = :{a} and dport = :{b} )" for a, b in pairs[:64])
-    subprocess.run(["ss", "-K", "-t", "-n", clauses], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, check=False)
-    return min(len(pairs), 64)
+    """Destroy the sockets with these (local, remote) ports ((port, 0): the listener on
+    that port); returns how many were asked for."""
+    pairs = pairs[:64]
+    listeners = [f"sport = :{a}" for a, b in pairs if not b]
+    connected = [f"( sport = :{a} and dport = :{b} )" for a, b in pairs if b]
+    for state, clauses in ((["state", "listening"], listeners), ([], connected)):
+        if clauses:
+            subprocess.run(["ss", "-K", "-t", "-n", *state, " or ".join(clauses)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    return len(pairs)
 
 
 class Partition:

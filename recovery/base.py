@@ -269,7 +269,8 @@ Action: TypeAlias = (PromoteSpare | RestartWorker | RestoreFromKeeper | RestoreF
 _ACTION_TAGS: dict[type, str] = {
     PromoteSpare: "promote_spare", RestartWorker: "restart_worker",
     RestoreFromKeeper: "restore_from_keeper", RestoreFromTier: "restore_from_tier",
-    RepairFromPeer: "repair_from_peer", Rollback: "rollback", WaitForCapacity: "wait_for_capacity", Abort: "abort",
+    RepairFromPeer: "repair_from_peer", Rollback: "rollback",
+    WaitForCapacity: "wait_for_capacity", Abort: "abort",
 }
 _ACTION_TYPES: dict[str, type] = {tag: cls for cls, tag in _ACTION_TAGS.items()}
 A = TypeVar("A", PromoteSpare, RestartWorker, RestoreFromKeeper, RestoreFromTier,

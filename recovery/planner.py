@@ -28,8 +28,8 @@ from typing import Literal
 from configs.schema import RecoveryConfig, SparesConfig
 from recovery.base import (
     Abort, Action, FaultKind, FaultReport, PromoteSpare, RecoveryPlan, RepairFromPeer, ReplicaMap,
-    RestartWorker, RestoreFromKeeper, RestoreFromTier, Rollback, SpareInventory, TierInventory, WaitForCapacity,
-    WorldView,
+    RestartWorker, RestoreFromKeeper, RestoreFromTier, Rollback, SpareInventory, TierInventory,
+    WaitForCapacity, WorldView,
 )
 from recovery.detection import root_cause
 from runtime.base import Generation, NodeId, Rank, SpareId, Step, WorkerId

@@ -191,3 +191,17 @@ def test_chaos_draw_is_reproducible_recoverable_and_spaced() -> None:
     parsed = parse_scenario(raw, "chaos.yaml")
     assert raw["overrides"]["job.args.steps"] > max(steps)
     assert parsed.expect["final_state"] == "identical"
+
+
+def test_partition_cuts_only_connections_that_cross_the_node_and_its_listeners() -> None:
+    from launcher.partition import Socket, crossing
+
+    sockets = [Socket(5000, 0, 1, True),          # node listener
+               Socket(6000, 0, 9, True),          # outside listener
+               Socket(41000, 5000, 2, False), Socket(5000, 41000, 3, False),  # inside<->inside
+               Socket(42000, 6000, 4, False), Socket(6000, 42000, 10, False),  # inside->out
+               Socket(43000, 6000, 11, False), Socket(6000, 43000, 12, False),  # out<->out
+               Socket(44000, 7000, 5, False)]     # inside -> somewhere not on this host
+    inside = {1, 2, 3, 4, 5}
+    assert sorted(crossing(sockets, inside)) == [(5000, 0), (6000, 42000), (42000, 6000),
+                                                 (44000, 7000)]

@@ -220,3 +220,21 @@ def test_corruption_before_any_verified_step_cannot_be_rolled_back() -> None:
     signal = SilentCorruption(1, -1, ((0, "a"), (1, "a"), (2, "b"), (3, "a")), 2, 5.0)
     result = plan(signal, own_copies((1, 2)))
     assert result.restore_step == -1 and result.of_type(Rollback)
+
+
+# --- config ----------------------------------------------------------------------------
+
+def test_config_keys_and_their_checks() -> None:
+    from configs.errors import ConfigError
+    from configs.loader import load_config_text
+
+    base = "job:\n  entrypoint: examples/train_mlp.py:main\n"
+    cfg = load_config_text(base)
+    assert cfg.detection.compare_replicas and cfg.detection.replicated_state == ["model",
+                                                                                 "optimizer"]
+    with pytest.raises(ConfigError, match="snapshot.slots is 2"):
+        load_config_text(base + "snapshot:\n  slots: 2\n")
+    assert not load_config_text(base + "snapshot:\n  slots: 2\ndetection:\n"
+                                "  compare_replicas: false\n").detection.compare_replicas
+    with pytest.raises(ConfigError, match="replicated_state"):
+        load_config_text(base + "detection:\n  replicated_state: [model, __rng__]\n")

@@ -231,3 +231,122 @@ def test_node_watch_reports_a_lost_keeper_and_watches_its_successor() -> None:
         raylet.close()
         if second is not None:
             second.close()
+
+
+# -- the launcher's keeper restarts, with Ray faked ------------------------------------------
+
+class FakeRef:
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+
+class FakeMethod:
+    def __init__(self, ref: FakeRef) -> None:
+        self.ref = ref
+
+    def remote(self, *args: Any) -> FakeRef:
+        return self.ref
+
+
+class FakeKeeperActor:
+    def __init__(self, address: tuple[str, int], dead: bool = False) -> None:
+        from ray.exceptions import RayActorError
+        error = RayActorError() if dead else None
+        self.pid = FakeMethod(FakeRef(1234, error))
+        self.address = FakeMethod(FakeRef(list(address), error))
+
+
+class FakeCoordinator:
+    def __init__(self) -> None:
+        self.live_nodes = {0, 1}
+        self.run_dir = "/tmp/run"
+        self.placed = 0
+        self.emitted: list[tuple[str, dict]] = []
+        self.events = self
+
+    def emit(self, event: str, **fields: Any) -> None:
+        self.emitted.append((event, fields))
+
+    def place(self, slots: Any) -> None:
+        self.placed += 1
+
+
+class FakeWatch:
+    def __init__(self) -> None:
+        self.gone: list[tuple[int, float]] = []
+        self.rewatched: list[tuple[int, tuple[str, int]]] = []
+
+    def keepers_gone(self) -> list[tuple[int, float]]:
+        gone, self.gone = self.gone, []
+        return gone
+
+    def rewatch(self, node: int, address: tuple[str, int]) -> None:
+        self.rewatched.append((node, address))
+
+
+def _fake_ray(monkeypatch: pytest.MonkeyPatch, started: list, raylets: dict) -> None:
+    import launcher.keeper_restart as kr
+
+    def get(ref: FakeRef, timeout: float | None = None) -> Any:
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    monkeypatch.setattr(kr.ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(kr.ray, "get", get)
+    monkeypatch.setattr(kr.ray, "kill", lambda actor, no_restart: None)
+    monkeypatch.setattr(kr, "raylet_addresses", lambda count: raylets)
+    monkeypatch.setattr(kr, "refuses", lambda address: False)
+    monkeypatch.setattr(kr, "remove_stale", lambda shm_dir, prefix: ["a", "b"])
+
+    def start(cfg: Any, node: int, *args: Any) -> FakeKeeperActor:
+        started.append((node, args[-1]))
+        return FakeKeeperActor(("127.0.0.1", 9000 + node))
+    monkeypatch.setattr(kr, "start_keeper_actor", start)
+
+
+def test_a_keeper_gone_on_a_live_node_is_replaced_and_placement_sent_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from configs.loader import load_config
+    from launcher.keeper_restart import KeeperRestarts
+
+    started: list = []
+    _fake_ray(monkeypatch, started, {0: ("127.0.0.1", 1), 1: ("127.0.0.1", 2)})
+    cfg = load_config("configs/demo.yaml")
+    keepers = {0: (FakeKeeperActor(("127.0.0.1", 100)), ("127.0.0.1", 100)),
+               1: (FakeKeeperActor(("127.0.0.1", 101), dead=True), ("127.0.0.1", 101))}
+    slots = {r: RankSlot(r, f"w{r}", r % 2, None) for r in range(4)}
+    coordinator, watch, registered = FakeCoordinator(), FakeWatch(), []
+    restarts = KeeperRestarts(cfg, keepers, coordinator, slots, watch,  # type: ignore[arg-type]
+                              "00" * 32, ["127.0.0.1:1"], registered.append)
+    watch.gone.append((1, 0.0))
+    restarts.poll()              # node 1 noticed (watch), its replacement started
+    restarts.poll()              # ... and installed once its address answered
+    assert started == [(1, [1, 3])] and len(registered) == 1
+    assert keepers[1][1] == ("127.0.0.1", 9001) and keepers[1][0] is registered[0]
+    assert watch.rewatched == [(1, ("127.0.0.1", 9001))] and coordinator.placed == 1
+    assert [e for e, _ in coordinator.emitted] == ["keeper_lost", "keeper_restarted"]
+    assert coordinator.emitted[0][1]["shm_files_removed"] == 2 and restarts.restarts == 1
+
+
+@pytest.mark.parametrize("raylets,restarted", [
+    pytest.param({0: ("127.0.0.1", 1), 1: ("127.0.0.1", 2)}, [(1, [])], id="node-alive"),
+    pytest.param({0: ("127.0.0.1", 1)}, [], id="node-gone"),
+])
+def test_ray_reporting_a_keeper_dead_restarts_it_only_on_a_live_node(
+        monkeypatch: pytest.MonkeyPatch, raylets: dict, restarted: list) -> None:
+    from configs.loader import load_config
+    from launcher.keeper_restart import KeeperRestarts
+
+    started: list = []
+    _fake_ray(monkeypatch, started, raylets)
+    cfg = load_config("configs/demo.yaml")
+    keepers = {n: (FakeKeeperActor(("127.0.0.1", 100 + n), dead=n == 1), ("127.0.0.1", 100 + n))
+               for n in (0, 1)}
+    coordinator = FakeCoordinator()
+    restarts = KeeperRestarts(cfg, keepers, coordinator, {}, None,  # type: ignore[arg-type]
+                              "00" * 32, ["127.0.0.1:1"], lambda actor: None)
+    restarts.poll()              # probes sent (no node watch: Ray says the actor died)
+    restarts.poll()
+    assert started == restarted
+    assert coordinator.placed == len(restarted)
