@@ -68,7 +68,9 @@ class Membership(Protocol):
 
     @property
     def lease_lost(self) -> str:
-        """Why our lease is gone (expired, revoked, unreachable); "" while it is held."""
+        """Why our lease is gone (etcd says it expired or was revoked); "" while it is
+        held, and while etcd is only unreachable (it may keep the lease: join again once
+        this is set)."""
 
     def leave(self) -> None:
         """Revoke our lease: our member key disappears at once."""

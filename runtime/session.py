@@ -32,7 +32,8 @@ from configs.errors import (InjectedFault, LeaseLost, MembershipUnavailable, Pee
 from runtime.base import MemberRecord
 from runtime.collective import Collective, CollectiveAborted
 from runtime.context import WorkerContext
-from runtime.generation import Fenced, GenerationWatcher
+from runtime.generation import (GENERATION_KEY, Fenced, GenerationPlan, GenerationWatcher,
+                                plan_key)
 from runtime.keeper_link import KeeperLink, keeper_address
 from runtime.keeper_wire import KeeperClient
 from runtime.membership_etcd import EtcdMembership, job_prefix
@@ -505,17 +506,44 @@ class Session:
             except MembershipUnavailable as exc:
                 log.warning("event=heartbeat_failed rank=%d error=%s", self.rank, exc)
 
+    def _fenced_out(self) -> bool:
+        """True (and the heartbeat stops) when a newer generation gave our rank to another
+        worker: after a partition heals, a replaced worker must stay silent."""
+        ctx = self.context
+        if not _is_fenced(self._membership, self.generation, ctx.rank, ctx.worker_id):
+            return False
+        log.warning("event=member_fenced rank=%d worker=%s generation=%d: replaced while cut "
+                    "off; not rejoining", ctx.rank, ctx.worker_id, self.generation)
+        self._stop.set()
+        return True
+
     def _rejoin(self) -> bool:
         """Join membership again under a fresh lease, which puts our record back
         (heartbeat thread); False when etcd did not take it (tried again next beat)."""
         assert self._membership is not None
         try:
+            if self._fenced_out():
+                return True      # never again: a fenced worker must not write anything
             self._membership.join(self._record(), self.context.lease_ttl_s)
         except (MembershipUnavailable, LeaseLost) as exc:
             log.warning("event=member_rejoin_failed rank=%d error=%s", self.rank, exc)
             return False
         log.warning("event=member_rejoined rank=%d", self.rank)
         return True
+
+
+def _is_fenced(membership: Any, generation: int, rank: int, worker_id: str) -> bool:
+    """Has the job moved to a generation whose plan gives ``rank`` to another worker (this
+    one was cut off and replaced)? Reads etcd; raises MembershipUnavailable."""
+    current = membership.get(GENERATION_KEY)
+    newest = int(current.value) if current is not None else generation
+    for later in range(newest, generation, -1):
+        kv = membership.get(plan_key(later))
+        if kv is None:
+            continue
+        assignment = GenerationPlan.from_json(kv.value).ranks.get(rank)
+        return assignment is None or assignment.worker != worker_id
+    return False
 
 
 def _raise_on_sigusr1() -> None:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from configs.errors import LeaseLost, MembershipUnavailable
+from configs.errors import MembershipUnavailable
 from launcher.etcd_server import EmbeddedEtcd, etcd_healthy
 from launcher.faults import FaultSpec, catalogue
 from runtime.base import MemberRecord, WatchEvent

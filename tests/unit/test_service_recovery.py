@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from runtime.membership_memory import InMemoryMembership
 from runtime.commit import KeeperReport
 from runtime.transport import FrameServer, Reply
 
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = b"s" * 32
 JOB = "svcjob"
 
@@ -312,7 +314,7 @@ def test_a_keeper_gone_on_a_live_node_is_replaced_and_placement_sent_again(
 
     started: list = []
     _fake_ray(monkeypatch, started, {0: ("127.0.0.1", 1), 1: ("127.0.0.1", 2)})
-    cfg = load_config("configs/demo.yaml")
+    cfg = load_config(ROOT / "configs/demo.yaml")
     keepers = {0: (FakeKeeperActor(("127.0.0.1", 100)), ("127.0.0.1", 100)),
                1: (FakeKeeperActor(("127.0.0.1", 101), dead=True), ("127.0.0.1", 101))}
     slots = {r: RankSlot(r, f"w{r}", r % 2, None) for r in range(4)}
@@ -340,7 +342,7 @@ def test_ray_reporting_a_keeper_dead_restarts_it_only_on_a_live_node(
 
     started: list = []
     _fake_ray(monkeypatch, started, raylets)
-    cfg = load_config("configs/demo.yaml")
+    cfg = load_config(ROOT / "configs/demo.yaml")
     keepers = {n: (FakeKeeperActor(("127.0.0.1", 100 + n), dead=n == 1), ("127.0.0.1", 100 + n))
                for n in (0, 1)}
     coordinator = FakeCoordinator()
