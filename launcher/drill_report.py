@@ -264,6 +264,9 @@ def check_expectations(scenario: "Scenario", drilled: RunOutcome,
         kinds = sorted({str(e.get("kind")) for e in _named(events, "fault")})
         rows.append(_row("detected", expect["detected"], ", ".join(kinds) or "nothing",
                          expect["detected"] in kinds))
+    for name in expect.get("events", []):
+        after = _named(events, name)
+        rows.append(_row(f"event {name}", ">= 1", len(after), bool(after)))
     return rows
 
 

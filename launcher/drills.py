@@ -18,7 +18,7 @@ TOP_KEYS = ("name", "description", "overrides", "needs", "faults", "expect")
 FAULT_KEYS = ("kind", "target", "trigger", "params")
 TRIGGER_KEYS = ("at_step", "at_time_s", "probability", "steps", "seed")
 EXPECT_KEYS = ("outcome", "error_contains", "max_recovery_s", "max_lost_steps",
-               "final_state", "recoveries", "restore_source", "detected")
+               "final_state", "recoveries", "restore_source", "detected", "events")
 NEEDS = ("s3", "standby", "nodes3")
 OUTCOMES = ("completes", "fails")
 SOURCES = ("own", "replica", "disk", "s3", "peer")
@@ -191,6 +191,8 @@ def _expect(raw: Any, source: str) -> dict[str, Any]:
         "recoveries": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
         "restore_source": (lambda v: v in SOURCES, f"one of {list(SOURCES)}"),
         "detected": (lambda v: isinstance(v, str) and v, "a fault kind, e.g. worker_died"),
+        "events": (lambda v: isinstance(v, list) and all(isinstance(e, str) and e for e in v),
+                   "a list of event names that must appear, e.g. [tier_degraded]"),
     }
     for name, value in raw.items():
         ok, wanted = checks[name]

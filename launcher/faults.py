@@ -17,7 +17,8 @@ FAMILIES = ("availability", "liveness", "storage", "communication", "numerical")
 TARGETS = ("rank", "node", "role", "none")   # what ``FaultSpec`` must name
 MECHANISM_MODULES = ("launcher.faults_process", "launcher.faults_storage",
                      "launcher.faults_network", "launcher.faults_services",
-                     "launcher.fault_memory", "launcher.partition")
+                     "launcher.fault_memory", "launcher.partition",
+                     "launcher.faults_capacity")
 
 
 @dataclass(frozen=True)
@@ -100,15 +101,37 @@ class Mechanism:
     recovers: str = "replace"
     chaos: bool = False
     needs: tuple[str, ...] = ()            # services the job must run: "s3", "standby"
+    ends_launcher: bool = False            # fire() never returns (the event goes first)
 
 
 REGISTRY: dict[str, Mechanism] = {}
+Prepare = Callable[[Any, set[str]], tuple[Any, dict[str, Any]]]
+PREPARERS: list[Prepare] = []
 
 
 def register(mechanism: Mechanism) -> Mechanism:
     assert mechanism.family in FAMILIES and mechanism.target in TARGETS, mechanism
     REGISTRY[mechanism.kind] = mechanism
     return mechanism
+
+
+def register_preparer(prepare: Prepare) -> Prepare:
+    """``prepare(cfg, kinds) -> (cfg, services)``: run before the job starts when a
+    scenario has faults that need something in place first (a proxy in front of S3, a small
+    filesystem to fill); the services it returns are closed when the job ends."""
+    PREPARERS.append(prepare)
+    return prepare
+
+
+def prepare_job(cfg: Any, kinds: set[str]) -> tuple[Any, dict[str, Any]]:
+    """Every registered preparer in turn; returns the config to run and the services the
+    scenario's faults act through (``FaultEnv.service``)."""
+    catalogue()
+    services: dict[str, Any] = {}
+    for prepare in PREPARERS:
+        cfg, more = prepare(cfg, kinds)
+        services.update(more)
+    return cfg, services
 
 
 def catalogue() -> dict[str, Mechanism]:

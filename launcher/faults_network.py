@@ -10,7 +10,7 @@ from urllib.parse import urlparse, urlunparse
 
 from configs.errors import ConfigError
 from configs.schema import PhalanxConfig
-from launcher.faults import FaultEnv, FaultSpec, Mechanism, register
+from launcher.faults import FaultEnv, FaultSpec, Mechanism, register, register_preparer
 from launcher.link_proxy import DIRECTIONS, LinkProxy
 
 log = logging.getLogger(__name__)
@@ -165,3 +165,6 @@ _MECHANISMS = (
 REGISTRY_PARAMS = {m.kind: m.params for m in _MECHANISMS}
 for _mechanism in _MECHANISMS:
     register(_mechanism)
+
+
+register_preparer(prepare_job)

@@ -114,16 +114,13 @@ def kill_spare(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:
 
 
 def kill_coordinator(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:
-    """SIGKILL the launcher (this process), once the event is on disk; the standby
-    launcher (``coordinator.standby``) takes the job over."""
+    """SIGKILL the launcher (this process; the injector wrote the event first); the
+    standby launcher (``coordinator.standby``) takes the job over."""
     if not env.config().coordinator.standby:
         raise ConfigError(f"faults[{spec.index}].kind", "kill_coordinator without a standby "
                           "would end the job", "set coordinator.standby: true and run a "
                           "standby (phalanx drill run starts one for scenarios with "
                           "needs: [standby])")
-    env.emit("drill_fault", index=spec.index, kind=spec.kind, family="availability",
-             target="coordinator", trigger=spec.trigger_text(), step=-1, origin="scenario",
-             params={}, details={"pid": os.getpid(), "signal": "SIGKILL"})
     os.kill(os.getpid(), signal.SIGKILL)
     return {}   # not reached
 
@@ -141,7 +138,7 @@ register(Mechanism("kill_spare", "availability", "role", kill_spare,
                    roles=("spare",), recovers="none", chaos=True))
 register(Mechanism("kill_coordinator", "availability", "role", kill_coordinator,
                    "SIGKILL the launcher; the standby takes the job over", roles=("coordinator",),
-                   recovers="none", needs=("standby",)))
+                   recovers="none", needs=("standby",), ends_launcher=True))
 register(Mechanism("hang_worker", "liveness", "rank", hang_worker,
                    "SIGSTOP the rank's process (SIGCONT after for_s; 0 = never)",
                    params={"for_s": (float, 0.0)}, chaos=True))

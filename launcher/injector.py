@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Any, Callable, Mapping
 
@@ -82,6 +83,8 @@ class Injector:
                                   "family": mechanism.family, "target": spec.target_text(),
                                   "trigger": spec.trigger_text(), "step": step,
                                   "origin": origin, "params": dict(spec.params)}
+        if mechanism.ends_launcher:      # its event first: this process ends in fire()
+            self._env.emit("drill_fault", **record, details={"pid": os.getpid()})
         try:
             record["details"] = dict(mechanism.fire(spec, self._env))
         except Exception as exc:  # a fault that could not be injected is reported, not hidden

@@ -24,7 +24,7 @@ from launcher.commit_tracker import CommitTracker
 from launcher.coordinator import RankSlot, RecoveryCoordinator
 from launcher.drill_env import JobFaultEnv
 from launcher.drills import load_scenario
-from launcher.faults_network import prepare_job
+from launcher.faults import prepare_job
 from launcher.injector import Deferred, Injector
 from launcher.run_observer import RunObserver
 from launcher.etcd_outage import EtcdOutage, outage_grace_s

@@ -16,6 +16,7 @@ from configs.loader import load_config_text
 from configs.schema import PhalanxConfig
 from runtime.base import Tier
 from runtime.keeper import Keeper
+from runtime.keeper_fence import KeeperFence
 from runtime.keeper_reporter import KeeperReporter, keeper_member, report_from_keeper
 from runtime.membership_etcd import EtcdMembership, job_prefix
 from runtime.persister import TierPersister
@@ -70,21 +71,25 @@ class KeeperActor:
                 on_event=self._on_replica_event).start()
         self._membership = EtcdMembership(etcd_endpoints, job_prefix(cfg.etcd.prefix, cfg.job.name))
         self._membership.connect(retry_for_s=60)
+        self._write_fence = KeeperFence(self._membership, node, 2 * cfg.etcd.lease_ttl_s)
         self._reporter = KeeperReporter(
             self._membership, node, self._report, cfg.etcd.heartbeat_s, cfg.etcd.lease_ttl_s,
             keeper_member(node, self._keeper.address, os.getpid()),
-            on_commit=self._keeper.note_committed).start()
+            on_commit=self._keeper.note_committed,
+            fenced=lambda: not self._write_fence.may_write() and self._write_fence.fenced).start()
         tiers = tier_specs(cfg, run_dir)
         self._persister = None
         if tiers and local_ranks:
             self._persister = TierPersister(self._keeper, tiers, list(range(cfg.job.world_size)),
-                                            local_ranks, on_event=self._on_event).start()
+                                            local_ranks, on_event=self._on_event,
+                                            may_write=self._write_fence.may_write).start()
 
     def set_targets(self, generation: int, local_ranks: list[int],
                     holders: dict[int, list[str]], addresses: dict[str, list]) -> None:
         """A new generation: fence older writers, replicate ``local_ranks`` to their
         holders, persist the ranks now on this node."""
         self._fence = self._generation = generation
+        self._write_fence.given(generation)
         if self._replicator is not None:
             mine = {int(r): list(holders.get(r, [])) for r in local_ranks if holders.get(r)}
             self._replicator.set_targets(generation, mine,

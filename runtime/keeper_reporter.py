@@ -32,8 +32,10 @@ class KeeperReporter:
 
     def __init__(self, membership: Membership, node: str, snapshot: Callable[[], KeeperReport],
                  heartbeat_s: float, ttl_s: float, member: MemberRecord,
-                 on_commit: Callable[[int], None] | None = None) -> None:
+                 on_commit: Callable[[int], None] | None = None,
+                 fenced: Callable[[], bool] = lambda: False) -> None:
         self._membership = membership
+        self._fenced = fenced
         self._on_commit = on_commit
         self._node = node
         self._snapshot = snapshot
@@ -61,6 +63,8 @@ class KeeperReporter:
 
     def _run(self) -> None:
         while not self._stop.wait(self._heartbeat_s):
+            if self._fenced():      # replaced while cut off: it must stay silent
+                continue
             try:
                 if self._membership.lease_lost:    # etcd lost it (an outage outlived it)
                     self._rejoin()

@@ -120,8 +120,11 @@ class TierPersister:
                  poll_s: float = 0.1, on_event: Callable[[dict], None] | None = None,
                  commit_retry_s: float = 1.0, commit_wait_s: float = 600.0,
                  join_timeout_s: float = 30.0,
-                 wall_clock: Callable[[], float] = time.time) -> None:
-        """Raises ValueError for bad tiers or ranks. Does no I/O."""
+                 wall_clock: Callable[[], float] = time.time,
+                 may_write: Callable[[], bool] | None = None) -> None:
+        """Raises ValueError for bad tiers or ranks. Does no I/O. ``may_write``: asked
+        before each round of writes (a fenced keeper must write nothing)."""
+        self._may_write = may_write
         self._world = sorted(set(int(r) for r in world_ranks))
         self.set_local_ranks(local_ranks)
         if not self._local or not set(self._local) <= set(self._world):
@@ -220,6 +223,8 @@ class TierPersister:
             self._stop.wait(self._poll_s)
 
     def _tick(self) -> None:
+        if self._may_write is not None and not self._may_write():
+            return
         ready = self._ready_steps(self._keeper.holdings())
         for state in self._states:
             if self._stop.is_set():
