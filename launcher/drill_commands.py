@@ -7,6 +7,7 @@ import argparse
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -219,6 +220,7 @@ class DrillServices:
         from launcher.etcd_server import EmbeddedEtcd
 
         data = Path(tempfile.mkdtemp(prefix="phalanx-drill-etcd-"))
+        self._closers.append(lambda: shutil.rmtree(data, ignore_errors=True))
         etcd = EmbeddedEtcd(data / "etcd").start()
         self._closers.append(etcd.close)
         ray_proc = subprocess.Popen([sys.executable, "-m", "launcher.ray_cluster", "--nodes",

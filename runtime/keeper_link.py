@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
-from configs.errors import MembershipUnavailable, PeerUnreachable, PhalanxError
+from configs.errors import ConfigError, MembershipUnavailable, PeerUnreachable, PhalanxError
 from runtime.base import Membership
 from runtime.commit import KeeperReport
 from runtime.keeper_reporter import KEEPERS
@@ -53,6 +53,7 @@ class KeeperLink:
         self._down_since: float | None = None
         self._next_try = 0.0
         self.skipped = 0
+        self._full_since: float | None = None     # shared memory full since (no slots)
         self.reconnects = 0
 
     @property
@@ -71,11 +72,27 @@ class KeeperLink:
             return False
         try:
             snapshotter.capture(step, objects)
-            return True
         except PeerUnreachable as exc:
             self._lost(exc)
             self._skip(snapshotter, step)
             return False
+        except ConfigError as exc:
+            if exc.key != "snapshot.shm_dir":
+                raise
+            self._no_room(snapshotter, step, exc)    # shared memory is full: train on
+            return False
+        if self._full_since is not None:
+            log.warning("event=snapshot_room_back rank_step=%d skipped=%d", step, self.skipped)
+            self._full_since = None
+        return True
+
+    def _no_room(self, snapshotter: Snapshotter, step: int, exc: ConfigError) -> None:
+        """The keeper has no shared memory left for this rank's slots: the step is not
+        snapshotted (durability waits, training does not) and the next one tries again."""
+        if self._full_since is None:
+            self._full_since = self._clock()
+            log.warning("event=snapshot_no_room step=%d error=%s", step, exc)
+        self._skip(snapshotter, step)
 
     def drop(self, rank: int, above_step: int | None = None) -> None:
         """Drop ``rank``'s snapshots above ``above_step`` (a rollback); nothing to drop on a
