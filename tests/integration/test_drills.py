@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from tests.integration.launching import ROOT, phalanx_command
+from tests.integration.test_recovery import worker_pids
+from tests.plugins.leaks import Footprint, assert_nothing_left
 
 pytestmark = pytest.mark.integration
 SCENARIOS = sorted(p.stem for p in (ROOT / "configs" / "drills").glob("*.yaml"))
@@ -46,7 +48,7 @@ def report_of(result: subprocess.CompletedProcess) -> dict:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_shipped_scenario_passes(name: str, run_root: Path) -> None:
+def test_shipped_scenario_passes(name: str, run_root: Path, footprint: Footprint) -> None:
     result = drill("run", f"configs/drills/{name}.yaml", "--verify", run_root=run_root)
     assert result.returncode == 0, result.stderr[-5000:]
     report = report_of(result)
@@ -56,6 +58,119 @@ def test_shipped_scenario_passes(name: str, run_root: Path) -> None:
     assert rows["every fault fired"]["ok"]
     if report["scenario"].get("expect", {}).get("final_state") == "identical":
         assert rows["final state"]["measured"] == "identical"
+    run_dir = Path(report["run"]["run_dir"])
+    deeper = DEEPER.get(name)
+    if deeper is not None:       # what the scenario's expectations cannot say
+        deeper(Run(run_dir, result.stderr))
+    print(f"{name}: " + "; ".join(f"{f['kind']} detect {f.get('detection_s')} s, recovery "
+                                  f"{f.get('recovery_s')} s" for f in report["faults"]))
+    assert_nothing_left(footprint)
+
+
+class Run:
+    """A drilled run's directory: its events and worker logs, and the launcher's stderr."""
+
+    def __init__(self, run_dir: Path, stderr: str) -> None:
+        self.dir, self.stderr = run_dir, stderr
+        self.events = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
+
+    def named(self, event: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == event]
+
+    def logs(self) -> dict[str, str]:
+        return {p.stem: p.read_text() for p in (self.dir / "logs").iterdir()}
+
+
+def only_survivors_restored(run: Run, replaced: set[int]) -> None:
+    """Survivors kept their process from start to end (one pid per log); the replaced
+    ranks ran on a promoted spare."""
+    pids = worker_pids(run.dir)
+    survivors = {f"rank_{r}_w{r}-g0" for r in range(4) if r not in replaced}
+    assert survivors <= set(pids), sorted(pids)
+    for rank in replaced:
+        assert any(n.startswith(f"rank_{rank}_spare") for n in pids), sorted(pids)
+
+
+def check_kill_worker(run: Run) -> None:
+    (record,) = run.named("recovered")
+    assert record["ranks"] == [1] and record["fault"] == "worker_died"
+    assert "Rollback" not in run.named("plan")[0]["actions"], "replicas must have been enough"
+    only_survivors_restored(run, {1})
+
+
+def check_hang_worker(run: Run) -> None:
+    (record,) = run.named("recovered")
+    assert record["ranks"] == [2] and record["fault"] in ("lease_lost", "stalled"), record
+    only_survivors_restored(run, {2})
+
+
+def check_kill_node(run: Run) -> None:
+    (record,) = run.named("recovered")
+    assert record["fault"] == "node_died" and sorted(record["ranks"]) == [1, 3], record
+    assert {"rank_0_w0-g0", "rank_2_w2-g0"} <= set(worker_pids(run.dir))  # node 0 kept going
+    # noticed by the keeper watch (keeper and raylet ports refuse), not Ray's health checks
+    assert "event=node_gone node=node1" in run.stderr, run.stderr[-3000:]
+
+
+def check_tier_fallback(run: Run) -> None:
+    plan = run.named("plan")[0]
+    # a lost rank's only replica died too: every rank resumes from the disk checkpoint
+    assert plan["restore_step"] == 20 and "RestoreFromTier" in plan["actions"], plan
+
+
+def check_spare_exhausted(run: Run) -> None:
+    (waiting,) = run.named("waiting_for_capacity")
+    assert waiting["spares_needed"] == 2, waiting
+    promoted = run.named("promoted")
+    assert sorted(e["rank"] for e in promoted) == [1, 2]
+    assert all(e["worker"].startswith("spare") for e in promoted)      # never a cold restart
+    assert any(e["to"] == "degraded" for e in run.named("phase"))
+    assert len(run.named("fault")) == 2                                   # not re-emitted
+
+
+def check_node_partition(run: Run) -> None:
+    (record,) = run.named("recovered")
+    assert sorted(record["ranks"]) == [1, 3], record
+    assert record["generation"] == 1
+    for name, text in run.logs().items():   # a cut-off worker never rejoined after the fence
+        if name in ("rank_1_w1-g0", "rank_3_w3-g0"):
+            assert "event=member_rejoined" not in text, name
+
+
+def check_corrupt_params(run: Run) -> None:
+    (sdc,) = run.named("sdc_detected")
+    assert sdc["ranks"] == [2], sdc
+    (record,) = run.named("recovered")
+    assert record["fault"] == "silent_corruption"
+    assert any(e["source_kind"] == "peer" for e in run.named("rank_restored"))
+
+
+def check_no_restart(run: Run) -> None:
+    """A fault phalanx rides out: no fault, no recovery, every worker the original one."""
+    assert not run.named("fault") and not run.named("recovered")
+    pids = worker_pids(run.dir)
+    assert sorted(pids) == [f"rank_{r}_w{r}-g0" for r in range(4)], sorted(pids)
+
+
+def check_etcd_restart(run: Run) -> None:
+    check_no_restart(run)
+    kinds = {e["event"] for e in run.events}
+    assert {"etcd_down", "etcd_up", "etcd_unreachable", "etcd_reachable"} <= kinds, kinds
+
+
+def check_kill_keeper(run: Run) -> None:
+    check_no_restart(run)
+    assert [e["node"] for e in run.named("keeper_restarted")] == ["node1"]
+    moved = sorted(n for n, text in run.logs().items() if "event=keeper_reconnected" in text)
+    assert moved == ["rank_1_w1-g0", "rank_3_w3-g0"], moved
+
+
+DEEPER = {"kill_worker": check_kill_worker, "hang_worker": check_hang_worker,
+          "kill_node": check_kill_node, "tier_fallback": check_tier_fallback,
+          "spare_exhausted": check_spare_exhausted, "node_partition": check_node_partition,
+          "corrupt_params": check_corrupt_params, "etcd_restart": check_etcd_restart,
+          "kill_keeper": check_kill_keeper, "straggler": check_no_restart,
+          "slow_link": check_no_restart}
 
 
 @pytest.mark.timeout(600)
