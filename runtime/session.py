@@ -32,8 +32,8 @@ from configs.errors import (InjectedFault, LeaseLost, MembershipUnavailable, Pee
 from runtime.base import MemberRecord
 from runtime.collective import Collective, CollectiveAborted
 from runtime.context import WorkerContext
-from runtime.generation import (GENERATION_KEY, Fenced, GenerationPlan, GenerationWatcher,
-                                plan_key)
+from runtime.generation import Fenced, GenerationWatcher
+from runtime.heartbeat import Heartbeat
 from runtime.keeper_link import KeeperLink, keeper_address
 from runtime.keeper_wire import KeeperClient
 from runtime.membership_etcd import EtcdMembership, job_prefix
@@ -111,7 +111,7 @@ class Session:
         self._store_address = (self.context.master_addr, self.context.master_port)
         self._membership: EtcdMembership | None = None
         self._watcher: GenerationWatcher | None = None
-        self._heartbeat: threading.Thread | None = None
+        self._heartbeat: Heartbeat | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._first_step_at = 0.0
@@ -151,9 +151,10 @@ class Session:
                 self._recover(str(exc))
         if self._membership is not None:
             self._membership.join(self._record(), ctx.lease_ttl_s)
-            self._heartbeat = threading.Thread(target=self._beat, name="phalanx-heartbeat",
-                                               daemon=True)
-            self._heartbeat.start()
+            self._heartbeat = Heartbeat(
+                self._membership, ctx.rank, ctx.worker_id, self._record, self._beat_state,
+                lambda: self.generation, ctx.heartbeat_s, ctx.lease_ttl_s, self._stop,
+                self._wake).start()
         if ctx.run_dir:   # where the registered tensors live, for the corrupt_params drill
             write_memory_map(ctx.run_dir, ctx.rank, ctx.worker_id, self.generation, self._objects)
         self._started = True
@@ -216,7 +217,7 @@ class Session:
             self._keeper.close()
             self._keeper = None
         if self._heartbeat is not None:
-            self._heartbeat.join(timeout=self.context.heartbeat_s * 4)
+            self._heartbeat.join(self.context.heartbeat_s * 4)
             self._heartbeat = None
         if self._watcher is not None:
             self._watcher.close()
@@ -482,68 +483,10 @@ class Session:
         verifier = self._verifier
         return {} if verifier is None else {REPLICAS_EXTRA: verifier.status().to_extra()}
 
-    def _beat(self) -> None:
-        """Heartbeat thread: refresh our member record (progress) every heartbeat. etcd
-        unreachable: tried again next beat; our lease gone (etcd lost it, or an outage
-        outlived it): joined again under a new lease, which puts the record back."""
-        assert self._membership is not None
-        last = None
-        while not self._stop.is_set():
-            self._wake.wait(self.context.heartbeat_s)
-            self._wake.clear()
-            current = (self._progress.step_index, self.generation, self._first_step_at,
-                       self._collective_error, self._replica_extra())
-            if self._membership.lease_lost:     # etcd lost it: the record goes back with it
-                last = current if self._rejoin() else None
-            if current == last:
-                continue
-            try:
-                self._membership.update(self._record())
-                last = current
-            except LeaseLost as exc:
-                log.warning("event=member_lease_lost rank=%d error=%s", self.rank, exc)
-                last = current if self._rejoin() else None
-            except MembershipUnavailable as exc:
-                log.warning("event=heartbeat_failed rank=%d error=%s", self.rank, exc)
-
-    def _fenced_out(self) -> bool:
-        """True (and the heartbeat stops) when a newer generation gave our rank to another
-        worker: after a partition heals, a replaced worker must stay silent."""
-        ctx = self.context
-        if not _is_fenced(self._membership, self.generation, ctx.rank, ctx.worker_id):
-            return False
-        log.warning("event=member_fenced rank=%d worker=%s generation=%d: replaced while cut "
-                    "off; not rejoining", ctx.rank, ctx.worker_id, self.generation)
-        self._stop.set()
-        return True
-
-    def _rejoin(self) -> bool:
-        """Join membership again under a fresh lease, which puts our record back
-        (heartbeat thread); False when etcd did not take it (tried again next beat)."""
-        assert self._membership is not None
-        try:
-            if self._fenced_out():
-                return True      # never again: a fenced worker must not write anything
-            self._membership.join(self._record(), self.context.lease_ttl_s)
-        except (MembershipUnavailable, LeaseLost) as exc:
-            log.warning("event=member_rejoin_failed rank=%d error=%s", self.rank, exc)
-            return False
-        log.warning("event=member_rejoined rank=%d", self.rank)
-        return True
-
-
-def _is_fenced(membership: Any, generation: int, rank: int, worker_id: str) -> bool:
-    """Has the job moved to a generation whose plan gives ``rank`` to another worker (this
-    one was cut off and replaced)? Reads etcd; raises MembershipUnavailable."""
-    current = membership.get(GENERATION_KEY)
-    newest = int(current.value) if current is not None else generation
-    for later in range(newest, generation, -1):
-        kv = membership.get(plan_key(later))
-        if kv is None:
-            continue
-        assignment = GenerationPlan.from_json(kv.value).ranks.get(rank)
-        return assignment is None or assignment.worker != worker_id
-    return False
+    def _beat_state(self) -> tuple:
+        """What a heartbeat writes when it changed since the last one."""
+        return (self._progress.step_index, self.generation, self._first_step_at,
+                self._collective_error, self._replica_extra())
 
 
 def _raise_on_sigusr1() -> None:
