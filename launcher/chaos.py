@@ -17,8 +17,10 @@ from launcher.drills import parse_scenario
 from launcher.faults import catalogue
 
 FIRST_STEP = 10          # no fault before the first snapshots are committed
-GAP_STEPS = 12           # steps between faults: each recovery settles before the next
+GAP_STEPS = 8            # steps between faults (a slow recovery holds the next back:
+                         # steps do not advance while it runs)
 TAIL_STEPS = 15          # steps after the last fault
+ROUND_STEPS = 50         # run lengths are rounded up to this, so campaigns share references
 
 
 def draw_faults(cfg: PhalanxConfig, count: int, seed: int) -> list[dict[str, Any]]:
@@ -72,7 +74,8 @@ def _params(kind: str, draws: random.Random) -> dict[str, Any]:
 def chaos_scenario(cfg: PhalanxConfig, count: int, seed: int,
                    max_minutes: float) -> dict[str, Any]:
     faults = draw_faults(cfg, count, seed)
-    steps = FIRST_STEP + count * GAP_STEPS + TAIL_STEPS
+    needed = FIRST_STEP + (count - 1) * GAP_STEPS + TAIL_STEPS
+    steps = -(-needed // ROUND_STEPS) * ROUND_STEPS
     return {
         "name": f"chaos-seed{seed}",
         "description": f"{count} random recoverable faults drawn with seed {seed}",

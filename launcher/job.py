@@ -16,10 +16,9 @@ import ray
 from rich.console import Console
 
 from configs.errors import ConfigError, PhalanxError, PlanInfeasible
-from configs.loader import dump_config
 from configs.schema import PhalanxConfig
 from runtime.entrypoint import resolve_path
-from launcher.keeper_actor import KeeperActor, build_tiers, node_name
+from launcher.keeper_actor import build_tiers, node_name
 from launcher.commit_tracker import CommitTracker
 from launcher.coordinator import RankSlot, RecoveryCoordinator
 from launcher.drill_env import JobFaultEnv
@@ -30,7 +29,7 @@ from launcher.run_observer import RunObserver
 from launcher.etcd_outage import EtcdOutage, outage_grace_s
 from launcher.events import EventLog
 from launcher.keeper_events import KEEPER_EVENTS_FINAL_WAIT_S, KeeperEvents
-from launcher.keeper_restart import KeeperRestarts
+from launcher.keeper_restart import KeeperRestarts, start_keeper_actor
 from launcher.monitor import Monitor, PollResult
 from launcher.node_watch import NodeWatch
 from launcher.progress import ProgressView
@@ -38,7 +37,7 @@ from launcher.ray_cluster import node_resource, raylet_addresses
 from launcher.rundir import RunDir
 from launcher.leadership import JobState, LeadershipLost, read_state
 from launcher.takeover import (StatePublisher, adopt_keepers, adopt_workers, job_state,
-                               keeper_actor_name, resume_coordinator)
+                               resume_coordinator)
 from launcher.services import Services, join_services, start_services
 from spares.actor import WorkerActor
 from spares.pool import SparePool
@@ -110,6 +109,7 @@ class JobRunner:
             for service in self.drill_services.values():
                 stack.callback(service.close)
             services = start_services(self.cfg, run, stack)
+            stack.callback(self._release_shared_memory)     # after the keepers closed
             run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
                            "etcd_prefix": self.cfg.etcd.prefix, "launcher_pid": os.getpid(),
                            "world_size": self.cfg.job.world_size})
@@ -159,6 +159,7 @@ class JobRunner:
                 f"{holder.get('host')}; standing by"))
             started = time.monotonic()
             self._use(services, stack)
+            stack.callback(self._release_shared_memory)
             state = read_state(services.membership)
             run = RunDir(Path(state.run_dir))
             self.secret_hex = job_secret(cfg, run).hex()
@@ -222,6 +223,18 @@ class JobRunner:
                                                cfg.snapshot.slots, factor, REPLICA_KEEP)
         check_capacity(required, cfg.snapshot.shm_dir)
 
+    def _release_shared_memory(self) -> None:
+        """What no keeper unlinked (its node lost or cut off, its process killed) goes when
+        the job ends: the job's shared memory is the launcher's to clean up."""
+        if self.handed_over or not self.cfg.snapshot.enabled:
+            return
+        for node in range(self.cfg.job.nodes):
+            removed = remove_stale(self.cfg.snapshot.shm_dir,
+                                   shm_prefix(self.cfg.job.name, node_name(node)))
+            if removed:
+                log.warning("event=shm_released_at_exit node=%s files=%d", node_name(node),
+                            len(removed))
+
     def _check_tiers(self) -> None:
         """Credentials, buckets and folders are checked at launch, not at the first upload."""
         if not self.cfg.snapshot.enabled:
@@ -234,15 +247,11 @@ class JobRunner:
         """One keeper per node, pinned to it, before any worker starts."""
         if not self.cfg.snapshot.enabled:
             return
-        config_yaml = dump_config(self.cfg)
         actors = {}
         for node in range(self.cfg.job.nodes):
-            actor = KeeperActor.options(resources={node_resource(node): 1},
-                                        name=keeper_actor_name(self.cfg.job.name, node),
-                                        **self._lifetime).remote(
-                node_name(node), config_yaml, self.secret_hex, services.etcd_endpoints,
-                str(run.path), [r for r in range(self.cfg.job.world_size)
-                                if r % self.cfg.job.nodes == node])
+            actor = start_keeper_actor(self.cfg, node, self.secret_hex, services.etcd_endpoints,
+                                       str(run.path), [r for r in range(self.cfg.job.world_size)
+                                                       if r % self.cfg.job.nodes == node])
             stack.callback(self._close_keeper, actor)
             actors[node] = actor
         addresses = ray.get([actor.address.remote() for actor in actors.values()], timeout=60)

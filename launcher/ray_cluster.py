@@ -176,6 +176,10 @@ class LocalRay:
         if ray.is_initialized():
             ray.shutdown()
         if self._cluster is not None:
+            for index in list(self._nodes):   # every process below each raylet, at once:
+                for pid in self.node_pids(index):   # one cut off (a drill) may not exit
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
             try:
                 for node in list(self._cluster.worker_nodes):
                     self._cluster.remove_node(node, allow_graceful=False)
