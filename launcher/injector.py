@@ -31,8 +31,8 @@ class Deferred:
 
     def run_due(self, everything: bool = False) -> None:
         now = self._clock()
-        ready = [(t, a) for t, a in self._due if everything or t <= now]
-        self._due = [(t, a) for t, a in self._due if (t, a) not in ready]
+        ready = [item for item in self._due if everything or item[0] <= now]
+        self._due = [item for item in self._due if not (everything or item[0] <= now)]
         for _, action in sorted(ready, key=lambda item: item[0]):
             try:
                 action()
