@@ -7,6 +7,7 @@ the keepers of the next two nodes (replication factor 2).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
 import time
 from collections import Counter
@@ -371,14 +372,24 @@ def test_plan_for_10000_ranks_on_1000_nodes_is_fast() -> None:
     spare_inv = spares(**{f"sp{i}": f"n{(i * 37) % nodes}" for i in range(16)})
     lost = [Rank(r) for r in range(3, 10_000, 1249)][:8]
     faults = [died(r, f"n{r // per_node}") for r in lost]
-    # the planning thread's CPU time: in the full suite, wall time once read 1.06 s for
-    # this 31-45 ms plan (threads and processes left by earlier tests competing for the
-    # GIL and the 2 cores), which says nothing about the planner
-    started = time.thread_time()
-    plan = plan_recovery(faults, world, replicas, tiers(), spare_inv, RecoveryPolicy(), NOW)
-    elapsed = time.thread_time() - started
+    # the planning thread's CPU time, best of three with the cyclic collector off: in the
+    # full suite a single timing once read 1.05 s of thread CPU for this 31-45 ms plan, a
+    # full collection of the heap earlier tests left behind, which says nothing about the
+    # planner. The bound stays 20x above the plan's cost, so a quadratic planner still fails.
+    timings = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            started = time.thread_time()
+            plan = plan_recovery(faults, world, replicas, tiers(), spare_inv, RecoveryPolicy(),
+                                 NOW)
+            timings.append(time.thread_time() - started)
+    finally:
+        gc.enable()
+    elapsed = min(timings)
     print(f"\nplan_recovery: 10,000 ranks / 1,000 nodes / {len(lost)} lost ranks: "
-          f"{elapsed * 1000:.1f} ms, plan JSON {len(plan.to_json()) / 1e6:.2f} MB")
+          f"{elapsed * 1000:.1f} ms (best of 3), plan JSON {len(plan.to_json()) / 1e6:.2f} MB")
     assert len(lost) == 8
     assert sorted(p.rank for p in plan.of_type(PromoteSpare)) == lost
     assert len(plan.of_type(RestoreFromKeeper)) == 10_000
