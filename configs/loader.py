@@ -31,6 +31,11 @@ _NULL_TAG = "tag:yaml.org,2002:null"
 # PyYAML (YAML 1.1) reads 1e3 as a string; a plain scalar in this form is a float here.
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _JSON_TYPES = (type(None), bool, int, float, str)
+# Bounds on what a config file may expand to: deeper nesting overflows the recursive YAML
+# composer and constructor, and aliases to aliases ("billion laughs") make a small file
+# expand exponentially (then be walked, dumped and sent to every worker).
+MAX_DEPTH = 64
+MAX_NODES = 100_000
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (),
@@ -48,6 +53,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
     if root is None:
         mark = Mark(source, 0, -1, 0, None, None)
         root = yaml.MappingNode(_MAP_TAG, [], mark, mark)
+    _check_size(root, source)
     _reject_duplicates(root, "", source, set())
     for override in collect_overrides(PhalanxConfig, overrides, env):
         if isinstance(root, yaml.MappingNode):  # else _build reports the top level
@@ -61,6 +67,7 @@ def load_config_text(text: str, source: str = "<text>") -> PhalanxConfig:
     if root is None:
         mark = Mark(source, 0, -1, 0, None, None)
         root = yaml.MappingNode(_MAP_TAG, [], mark, mark)
+    _check_size(root, source)
     _reject_duplicates(root, "", source, set())
     return _build(PhalanxConfig, root, "", _Origins(source))
 
@@ -120,7 +127,11 @@ def _compose_file(path: Path, source: str) -> yaml.Node | None:
 
 def _compose_text(text: str, source: str) -> yaml.Node | None:
     """The YAML node tree of ``text`` (None when empty); errors become ConfigError."""
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)      # refuses unprintable characters already
+    except yaml.YAMLError as exc:
+        raise ConfigError(YAML_KEY, f"invalid YAML: {exc}", "save the file as plain UTF-8 "
+                          "text without control characters", source) from None
     loader.name = source  # every mark (and so every line we report) names the file
     try:
         return loader.get_single_node()
@@ -134,8 +145,51 @@ def _compose_text(text: str, source: str) -> yaml.Node | None:
     except yaml.YAMLError as exc:
         raise ConfigError(YAML_KEY, f"invalid YAML: {exc}", "save the file as plain UTF-8 text",
                           source) from None
+    except RecursionError:      # the composer recurses once per nesting level
+        raise _too_big("nests deeper than Python's recursion limit", source) from None
     finally:
         loader.dispose()
+
+
+def _too_big(problem: str, source: str) -> ConfigError:
+    return ConfigError(YAML_KEY, problem, "a phalanx config is a few sections of plain "
+                       "values: flatten the nesting, or expand the aliases by hand", source)
+
+
+def _check_size(root: yaml.Node, source: str) -> None:
+    """Raise ConfigError when the node tree, aliases expanded, nests deeper than MAX_DEPTH
+    or holds more than MAX_NODES values. Iterative and memoized by node, so it costs one
+    visit per distinct node whatever the input (an alias back to an enclosing node, a
+    cycle, counts once: the constructor refuses those)."""
+    done: dict[int, tuple[int, int]] = {}          # node id -> (values, height)
+    open_: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        children = _children(node)
+        if expanded:
+            below = [done.get(id(child), (1, 1)) for child in children]
+            values = 1 + sum(v for v, _ in below)
+            height = 1 + max((h for _, h in below), default=0)
+            if height > MAX_DEPTH:
+                raise _too_big(f"nests deeper than {MAX_DEPTH} levels", source)
+            if values > MAX_NODES:
+                raise _too_big(f"expands to more than {MAX_NODES} values (YAML aliases "
+                               "repeated inside each other?)", source)
+            done[id(node)] = (values, height)
+            open_.discard(id(node))
+        elif id(node) not in done and id(node) not in open_:
+            open_.add(id(node))
+            stack.append((node, True))
+            stack += [(child, False) for child in children]
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
 
 
 def _reject_duplicates(node: yaml.Node, path: str, source: str, seen: set[int]) -> None:

@@ -6,6 +6,8 @@ Checks that span sections live in ``PhalanxConfig.__post_init__``; each raises
 """
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -63,9 +65,12 @@ class JobConfig:
 
 @dataclass(frozen=True)
 class EtcdTLSConfig:
-    ca_file: str = doc("CA bundle to verify the etcd server", "")
-    cert_file: str = doc("client certificate", "")
-    key_file: str = doc("client private key", "")
+    ca_file: str = doc("CA bundle to verify the etcd server; the embedded etcd (no "
+                       "endpoints) then also requires client certificates it signed", "")
+    cert_file: str = doc("client certificate; the embedded etcd (no endpoints) serves TLS "
+                         "with it too (needs IP 127.0.0.1 in its subjectAltName and both "
+                         "serverAuth and clientAuth usages)", "")
+    key_file: str = doc("private key of cert_file", "")
 
     def __post_init__(self) -> None:
         _require(bool(self.cert_file) == bool(self.key_file), "etcd.tls.cert_file",
@@ -82,7 +87,8 @@ class EtcdConfig:
     startup_timeout_s: float = doc("how long to wait for the embedded etcd to be healthy", 15.0)
     user: str = doc("etcd user (with password_file)", "")
     password_file: str = doc("file holding the etcd password", "")
-    tls: EtcdTLSConfig = doc("TLS options for the etcd client", factory=EtcdTLSConfig)
+    tls: EtcdTLSConfig = doc("TLS of etcd connections (and of the embedded etcd)",
+                             factory=EtcdTLSConfig)
 
     def __post_init__(self) -> None:
         _require(self.lease_ttl_s >= 1, "etcd.lease_ttl_s", f"{self.lease_ttl_s} is below 1 s",
@@ -96,6 +102,15 @@ class EtcdConfig:
             _require(":" in ep, "etcd.endpoints", f"{ep!r} has no port", "write host:port")
         _require(bool(self.user) == bool(self.password_file), "etcd.user",
                  "user and password_file must be set together", "set both or neither")
+        if not self.endpoints:      # the embedded etcd: loopback, TLS only with a certificate
+            _require(not self.user, "etcd.user", f"{self.user!r} is set, but the embedded etcd "
+                     "(etcd.endpoints empty) has no users", "set etcd.endpoints to a cluster with "
+                     "auth enabled, or drop user/password_file and use etcd.tls certificates")
+            _require(bool(self.tls.cert_file) or not self.tls.ca_file, "etcd.tls.cert_file",
+                     "is empty, but ca_file is set and the embedded etcd (etcd.endpoints empty) "
+                     "serves TLS only with a certificate", "set cert_file and key_file (one "
+                     "certificate for 127.0.0.1 with serverAuth and clientAuth), or set "
+                     "etcd.endpoints")
 
 
 @dataclass(frozen=True)
@@ -201,6 +216,38 @@ class DiskTierConfig:
         _require(self.keep >= 1, "tiers.disk.keep", f"{self.keep} is below 1", "keep at least 1")
 
 
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]*[a-z0-9]")
+_RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
+_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
+
+def validate_bucket(bucket: str) -> str:
+    """S3 bucket naming rules; raises ConfigError(key="tiers.s3.bucket")."""
+    problem = ""
+    if not 3 <= len(bucket) <= 63:
+        problem = f"{bucket!r} is {len(bucket)} characters long, not 3-63"
+    elif not _BUCKET_RE.fullmatch(bucket):
+        problem = (f"{bucket!r} must use only lowercase letters, digits, '.' and '-', and start "
+                   "and end with a letter or digit")
+    elif ".." in bucket:
+        problem = f"{bucket!r} has two adjacent periods"
+    elif _is_ip_address(bucket):
+        problem = f"{bucket!r} is formatted as an IP address"
+    elif bucket.startswith(_RESERVED_PREFIXES) or bucket.endswith(_RESERVED_SUFFIXES):
+        problem = f"{bucket!r} uses a prefix or suffix S3 reserves"
+    if problem:
+        raise ConfigError("tiers.s3.bucket", problem,
+                          "see the S3 bucket naming rules, e.g. 'my-team-checkpoints'")
+    return bucket
+
+
+def _is_ip_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class S3TierConfig:
     enabled: bool = doc("persist committed steps to S3", False)
@@ -227,6 +274,7 @@ class S3TierConfig:
         _require(self.every_steps >= 1, "tiers.s3.every_steps", f"{self.every_steps} is below 1",
                  "use e.g. 200")
         _require(self.keep >= 1, "tiers.s3.keep", f"{self.keep} is below 1", "keep at least 1")
+        validate_bucket(self.bucket)
 
 
 @dataclass(frozen=True)

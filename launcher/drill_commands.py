@@ -282,7 +282,7 @@ def inject_fault(args: argparse.Namespace, console: Console) -> int:
     within a poll and records it in the run's events."""
     from launcher.injector import INJECT_PREFIX
     from launcher.rundir import RunDir
-    from runtime.membership_etcd import EtcdMembership, job_prefix
+    from runtime.membership_etcd import EtcdMembership, client_options, job_prefix
 
     run = RunDir.find(args.job)
     target = {k: v for k, v in (("rank", args.rank), ("node", args.node), ("role", args.role))
@@ -294,7 +294,8 @@ def inject_fault(args: argparse.Namespace, console: Console) -> int:
     parse_fault(fault, "fault", "phalanx drill inject")    # refuse bad input here, not later
     info = run.read_job()
     membership = EtcdMembership(list(info["etcd_endpoints"]),
-                                job_prefix(info["etcd_prefix"], info["job"])).connect()
+                                job_prefix(info["etcd_prefix"], info["job"]),
+                                **client_options(**info.get("etcd_client", {}))).connect()
     try:
         membership.put(f"{INJECT_PREFIX}{uuid.uuid4().hex[:12]}", json.dumps(fault).encode())
     finally:

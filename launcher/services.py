@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -14,11 +15,11 @@ import torch.distributed as dist
 
 from configs.errors import PlanInfeasible
 from configs.schema import PhalanxConfig
-from launcher.etcd_server import EmbeddedEtcd
+from launcher.etcd_server import EmbeddedEtcd, ServerTLS
 from launcher.leadership import COORDINATOR_KEY, Leadership
 from launcher.ray_cluster import LocalRay
 from launcher.rundir import RunDir
-from runtime.membership_etcd import EtcdMembership, job_prefix
+from runtime.membership_etcd import EtcdMembership, client_fields, client_options, job_prefix
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ def start_services(cfg: PhalanxConfig, run: RunDir, stack: contextlib.ExitStack)
     etcd = None
     endpoints = list(cfg.etcd.endpoints)
     if not endpoints:
-        etcd = EmbeddedEtcd(run.path / "etcd", cfg.etcd.startup_timeout_s)
+        etcd = EmbeddedEtcd(run.path / "etcd", cfg.etcd.startup_timeout_s,
+                            tls=embedded_tls(cfg))
         stack.callback(etcd.close)
         etcd.start()
         endpoints = [etcd.endpoint]
@@ -72,6 +74,13 @@ def start_services(cfg: PhalanxConfig, run: RunDir, stack: contextlib.ExitStack)
         store_host = "127.0.0.1"
     return Services(endpoints, membership, _store(cfg, store_host), store_host, local_ray, etcd,
                     leadership)
+
+
+def embedded_tls(cfg: PhalanxConfig) -> ServerTLS | None:
+    """The embedded etcd's TLS: ``etcd.tls``'s certificate serves it (and the same files
+    are every client's identity), ``ca_file`` makes it require client certificates."""
+    tls = cfg.etcd.tls
+    return ServerTLS(tls.cert_file, tls.key_file, tls.ca_file) if tls.cert_file else None
 
 
 def join_services(cfg: PhalanxConfig, stack: contextlib.ExitStack,
@@ -111,8 +120,28 @@ def _join_ray(cfg: PhalanxConfig, stack: contextlib.ExitStack) -> str:
 
 
 def _store(cfg: PhalanxConfig, host: str) -> dist.TCPStore:
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=cfg.recovery.group_timeout_s))
+    """The job's c10d TCPStore, listening on ``host`` only: c10d's own server listens on
+    every interface whatever host it is given, and it has no authentication, so the
+    launcher binds the socket itself and hands it over."""
+    return host_store(host, datetime.timedelta(seconds=cfg.recovery.group_timeout_s))
+
+
+def host_store(host: str, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A master TCPStore on a free port of ``host`` (and no other interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(socket.SOMAXCONN)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=timeout, master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()           # the store owns the descriptor now
+    return store
 
 
 def _keep_ray_logs_on_failure(local_ray: LocalRay, dest: Path) -> Callable[..., bool]:
@@ -128,9 +157,4 @@ def _keep_ray_logs_on_failure(local_ray: LocalRay, dest: Path) -> Callable[..., 
 
 
 def _etcd_auth(cfg: PhalanxConfig) -> dict[str, str]:
-    password = ""
-    if cfg.etcd.password_file:
-        with open(cfg.etcd.password_file, encoding="utf-8") as handle:
-            password = handle.read().strip()
-    return {"ca_file": cfg.etcd.tls.ca_file, "cert_file": cfg.etcd.tls.cert_file,
-            "key_file": cfg.etcd.tls.key_file, "user": cfg.etcd.user, "password": password}
+    return client_options(**client_fields(cfg.etcd))

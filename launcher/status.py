@@ -15,7 +15,7 @@ from launcher.commit_tracker import read_reports
 from launcher.events import EVENTS_PREFIX
 from launcher.rundir import RunDir
 from runtime.commit import COMMIT_KEY, KeeperReport, committed_from
-from runtime.membership_etcd import EtcdMembership, job_prefix
+from runtime.membership_etcd import EtcdMembership, client_options, job_prefix
 
 EVENTS_SHOWN = 10
 
@@ -26,7 +26,8 @@ def show_status(run: RunDir, console: Console, timeout_s: float = 3.0) -> int:
     try:
         membership = EtcdMembership(list(info["etcd_endpoints"]),
                                     job_prefix(info["etcd_prefix"], info["job"]),
-                                    timeout_s=timeout_s).connect()
+                                    timeout_s=timeout_s,
+                                    **client_options(**info.get("etcd_client", {}))).connect()
     except MembershipUnavailable as exc:
         console.print(f"job {info['job']} is not running (etcd {info['etcd_endpoints']} "
                       f"does not answer: {exc}); run directory {run.path}")

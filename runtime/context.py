@@ -40,6 +40,8 @@ class WorkerContext:
     overhead_budget: float = 0.03
     checksum: str = "xxh3"
     secret_hex: str = field(default="", repr=False)
+    # etcd TLS files, user and password file (``membership_etcd.client_fields``)
+    etcd_client: dict[str, str] = field(default_factory=dict)
     plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S   # how long a survivor waits for a plan
     extra: dict[str, object] = field(default_factory=dict)
 

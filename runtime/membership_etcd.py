@@ -16,7 +16,8 @@ import etcd3.events
 import etcd3.exceptions
 import grpc
 
-from configs.errors import LeaseLost, MembershipUnavailable
+from configs.errors import ConfigError, LeaseLost, MembershipUnavailable
+from configs.schema import EtcdConfig
 from runtime.base import KeyValue, MemberRecord, WatchEvent
 from runtime.membership_memory import MEMBERS, decode_member, encode_member
 
@@ -43,6 +44,32 @@ _GRPC_OPTIONS = [
 def job_prefix(prefix: str, job: str) -> str:
     """The key prefix of one job: ``job_prefix("/phalanx", "demo") == "/phalanx/demo/"``."""
     return f"{prefix}/{job}/"
+
+
+def client_fields(cfg: EtcdConfig) -> dict[str, str]:
+    """The TLS and auth settings of ``cfg`` as plain strings (file paths and the user name,
+    never the password itself), for a worker's context or the run's ``job.json``; turn
+    them into ``EtcdMembership`` arguments with ``client_options``."""
+    return {"ca_file": cfg.tls.ca_file, "cert_file": cfg.tls.cert_file,
+            "key_file": cfg.tls.key_file, "user": cfg.user, "password_file": cfg.password_file}
+
+
+def client_options(ca_file: str = "", cert_file: str = "", key_file: str = "", user: str = "",
+                   password_file: str = "") -> dict[str, str]:
+    """``EtcdMembership`` keyword arguments from ``client_fields``: the TLS files, the user
+    and the password read from ``password_file``. Raises ConfigError when it cannot be
+    read."""
+    password = ""
+    if password_file:
+        try:
+            with open(password_file, encoding="utf-8") as handle:
+                password = handle.read().strip()
+        except OSError as exc:
+            raise ConfigError("etcd.password_file", f"{password_file} cannot be read: "
+                              f"{exc.strerror or exc}",
+                              "point it at a readable file holding the etcd password") from None
+    return {"ca_file": ca_file, "cert_file": cert_file, "key_file": key_file, "user": user,
+            "password": password}
 
 
 def _split_endpoint(endpoint: str) -> tuple[str, int]:

@@ -64,6 +64,11 @@ class TierSource:
     def __post_init__(self) -> None:
         self.name = self.name or f"tier {self.tier.name}"
 
+    def locate(self, rank: int, step: int) -> str:
+        """The tier's key or path of the snapshot, when the tier can say (disk, S3)."""
+        locate = getattr(self.tier, "locate", None)
+        return locate(step, rank) if callable(locate) else ""
+
     @contextlib.contextmanager
     def open(self, rank: int, step: int) -> Iterator[tuple[bytes, Any]]:
         payload, manifest = self.tier.read_rank(step, rank)
@@ -104,6 +109,10 @@ def restore(objects: Mapping[str, Any], rank: int, step: int,
     failures: list[tuple[str, str]] = []
     for source in sources:
         where = f"{source.name} rank {rank} step {step}"
+        locate = getattr(source, "locate", None)
+        location = locate(rank, step) if callable(locate) else ""
+        if location:            # name the object a refused snapshot came from
+            where += f" ({location})"
         try:
             with source.open(rank, step) as (manifest_bytes, payload):
                 manifest, tensors = _verified(rank, step, where, manifest_bytes, payload,

@@ -36,7 +36,7 @@ from runtime.generation import Fenced, GenerationWatcher
 from runtime.heartbeat import Heartbeat
 from runtime.keeper_link import KeeperLink, keeper_address
 from runtime.keeper_wire import KeeperClient
-from runtime.membership_etcd import EtcdMembership, job_prefix
+from runtime.membership_etcd import EtcdMembership, client_options, job_prefix
 from runtime.memory_map import write_memory_map
 from runtime.process_group import connect_store, connect_store_at
 from runtime.rejoin import restore_rank
@@ -130,7 +130,8 @@ class Session:
         torch.set_num_threads(ctx.torch_threads)
         if ctx.etcd_endpoints:
             self._membership = EtcdMembership(list(ctx.etcd_endpoints),
-                                              job_prefix(ctx.etcd_prefix, ctx.job)).connect(
+                                              job_prefix(ctx.etcd_prefix, ctx.job),
+                                              **client_options(**ctx.etcd_client)).connect(
                 retry_for_s=ctx.group_timeout_s)
             self._watcher = GenerationWatcher(self._membership).start()
         if ctx.keeper_port:

@@ -232,13 +232,23 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):    # 1e999: the canonical form (HMAC) could not hold it
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
 def _strict_json(data: bytes | memoryview) -> Any:
     return json.loads(bytes(data).decode("utf-8"), object_pairs_hook=_no_duplicates,
-                      parse_constant=_reject_constant)
+                      parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+_MAX_DIM = (1 << 63) - 1      # torch sizes are int64
 
 
 def _is_shape(value: Any) -> bool:
-    return type(value) is list and all(type(d) is int and d >= 0 for d in value)
+    return type(value) is list and all(type(d) is int and 0 <= d <= _MAX_DIM for d in value)
 
 
 def _header_entry(name: str, raw: Any) -> TensorEntry:
@@ -246,11 +256,11 @@ def _header_entry(name: str, raw: Any) -> TensorEntry:
         raise SnapshotCorrupt(f"tensor '{name}': header entry must hold exactly dtype, "
                               f"shape and data_offsets, got {raw!r:.120}")
     code, shape, offs = raw["dtype"], raw["shape"], raw["data_offsets"]
-    if code not in _ITEMSIZE:
-        raise SnapshotCorrupt(f"tensor '{name}': unknown dtype {code!r}")
+    if type(code) is not str or code not in _ITEMSIZE:     # a list is not even hashable
+        raise SnapshotCorrupt(f"tensor '{name}': unknown dtype {code!r:.40}")
     if not _is_shape(shape):
         raise SnapshotCorrupt(f"tensor '{name}': shape {shape!r:.80} is not a list of "
-                              "non-negative ints")
+                              "non-negative ints below 2**63")
     if type(offs) is not list or len(offs) != 2 or not all(type(o) is int for o in offs) \
             or not 0 <= offs[0] <= offs[1]:
         raise SnapshotCorrupt(f"tensor '{name}': data_offsets {offs!r:.80} is not [begin, end] "
@@ -383,10 +393,10 @@ def _is_hex(text: str, length: int) -> bool:
 def _tensor_problem(rec: Any, total: int) -> str | None:
     if type(rec) is not dict or set(rec) != {"dtype", "shape", "offset", "nbytes", "checksum"}:
         return "must hold exactly dtype, shape, offset, nbytes and checksum"
-    if rec["dtype"] not in _ITEMSIZE:
+    if type(rec["dtype"]) is not str or rec["dtype"] not in _ITEMSIZE:
         return f"has unknown dtype {rec['dtype']!r:.40}"
     if not _is_shape(rec["shape"]):
-        return "shape is not a list of non-negative ints"
+        return "shape is not a list of non-negative ints below 2**63"
     if not (_is_count(rec["offset"]) and _is_count(rec["nbytes"])):
         return "offset and nbytes must be non-negative ints"
     if rec["nbytes"] != math.prod(rec["shape"]) * _ITEMSIZE[rec["dtype"]]:

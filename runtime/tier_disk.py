@@ -210,6 +210,11 @@ class DiskTier:
                                   f"{_errno_text(exc)}") from exc
         log.info("tier_commit tier=disk step=%d ranks=%d", step, len(wanted))
 
+    def locate(self, step: int, rank: int) -> str:
+        """Where one rank's files of ``step`` live (both names), for messages."""
+        payload_name, manifest_name = rank_file_names(rank)
+        return f"{self.step_dir(step) / payload_name} + {manifest_name}"
+
     def read_rank(self, step: int, rank: int) -> tuple[bytes, bytes]:
         """(payload, manifest); raises SnapshotNotFound when either file is absent."""
         step_dir = self.step_dir(step)

@@ -6,11 +6,9 @@ The only module that imports boto3/botocore; their errors become ``TierUnavailab
 from __future__ import annotations
 
 import io
-import ipaddress
 import logging
 import math
 import random
-import re
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -28,7 +26,7 @@ from botocore.exceptions import (
 )
 
 from configs.errors import ConfigError, SnapshotNotFound, TierUnavailable
-from configs.schema import S3TierConfig
+from configs.schema import S3TierConfig, validate_bucket
 from runtime.base import iter_chunks
 from runtime.tier_disk import (
     COMMIT_NAME,
@@ -48,41 +46,10 @@ T = TypeVar("T")
 MIN_PART_SIZE = 5 * 1024 * 1024  # S3's floor for every part but the last
 DEFAULT_PART_SIZE = 8 * 1024 * 1024
 MAX_PARTS = 10_000
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*[a-z0-9]$")
-_RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
-_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
 _TRANSIENT_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
                               "Throttling", "ThrottlingException", "RequestLimitExceeded"})
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
-
-
-def validate_bucket(bucket: str) -> str:
-    """S3 bucket naming rules; raises ConfigError(key="tiers.s3.bucket")."""
-    problem = ""
-    if not 3 <= len(bucket) <= 63:
-        problem = f"{bucket!r} is {len(bucket)} characters long, not 3-63"
-    elif not _BUCKET_RE.match(bucket):
-        problem = (f"{bucket!r} must use only lowercase letters, digits, '.' and '-', and start "
-                   "and end with a letter or digit")
-    elif ".." in bucket:
-        problem = f"{bucket!r} has two adjacent periods"
-    elif _is_ip_address(bucket):
-        problem = f"{bucket!r} is formatted as an IP address"
-    elif bucket.startswith(_RESERVED_PREFIXES) or bucket.endswith(_RESERVED_SUFFIXES):
-        problem = f"{bucket!r} uses a prefix or suffix S3 reserves"
-    if problem:
-        raise ConfigError("tiers.s3.bucket", problem,
-                          "see the S3 bucket naming rules, e.g. 'my-team-checkpoints'")
-    return bucket
-
-
-def _is_ip_address(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
 
 
 class _ViewReader(io.RawIOBase):
@@ -332,6 +299,12 @@ class S3Tier:
             finally:
                 body.close()
         return self._retry("get_object", target, call)
+
+    def locate(self, step: int, rank: int) -> str:
+        """Where one rank's objects of ``step`` live (``s3://bucket/key``, both names), for
+        messages that must name the object a refused snapshot came from."""
+        payload_name, manifest_name = rank_file_names(rank)
+        return f"{self._url(self._key(step, payload_name))} + {manifest_name}"
 
     def read_rank(self, step: int, rank: int) -> tuple[bytes, bytes]:
         """(payload, manifest), byte for byte; raises SnapshotNotFound naming step and rank."""

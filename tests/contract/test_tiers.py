@@ -409,11 +409,15 @@ def test_s3_unreachable_endpoint_fails_within_bounds(s3_config: S3TierConfig) ->
 @pytest.mark.parametrize("bucket", [
     "ab", "a" * 64, "Upper-case", "under_score", "has space", "-leading", "trailing-",
     ".dot", "dot.", "two..dots", "192.168.1.1", "xn--punycode", "name-s3alias", "bad/slash",
+    "newline-at-end\n",
 ])
 @pytest.mark.timeout(10)
 def test_s3_bad_bucket_names_raise_config_error(bucket: str) -> None:
-    cfg = S3TierConfig(enabled=True, bucket=bucket)
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigError) as info:        # an enabled tier's config refuses it
+        S3TierConfig(enabled=True, bucket=bucket)
+    assert info.value.key == "tiers.s3.bucket"
+    cfg = S3TierConfig(enabled=False, bucket=bucket)
+    with pytest.raises(ConfigError) as info:        # and so does the tier itself
         S3Tier(cfg, JOB)
     assert info.value.key == "tiers.s3.bucket"
 

@@ -3,6 +3,7 @@ a corrupted replica is refused with a logged reason and the next source is used;
 applied is bit-identical to the original."""
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from pathlib import Path
@@ -109,3 +110,61 @@ def test_no_verified_source_names_every_refusal() -> None:
             restore_rank({"model": model, "optimizer": optimizer}, 0, 2,
                          [keeper_source(holder, "holder")], job=job, secret=secret, timeout_s=2,
                          generation=0)
+
+
+def _planted(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str, rank: int,
+             step: int, how: str, secret: bytes) -> tuple[bytes, bytearray]:
+    """A snapshot with a valid layout written by someone else: another job's secret, no
+    HMAC at all, or this job's HMAC over bytes that rotted afterwards."""
+    if how == "other secret":
+        return snapshot_of(model, optimizer, job, rank, step, secret=b"o" * 32)
+    tensors, spec = flatten_state({"model": model, "optimizer": optimizer})
+    layout = plan_layout(tensors)
+    buf = bytearray(layout.total_bytes)
+    write_into(memoryview(buf), layout, tensors)
+    manifest = make_manifest(layout, checksums(buf, layout), job=job, rank=rank, step=step,
+                             generation=0, tree_spec=spec, created_at=time.time())
+    if how == "no hmac":
+        return manifest.to_json(), buf
+    buf[-3] ^= 0x10                     # the last tensor's bytes, after signing
+    return manifest.sign(secret).to_json(), buf
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how,error,detail", [
+    ("other secret", "SnapshotUnauthenticated", "HMAC does not match the job secret"),
+    ("no hmac", "SnapshotUnauthenticated", "manifest is unsigned"),
+    ("rotted byte", "SnapshotCorrupt", "checksum mismatch"),
+])
+def test_a_planted_s3_object_is_refused_and_restore_falls_to_the_next_tier(
+        s3_config, tmp_path: Path, how: str, error: str, detail: str) -> None:
+    from runtime.restore import TierSource, restore
+    from runtime.tier_s3 import S3Tier
+
+    secret, job = secrets.token_bytes(32), f"planted{secrets.token_hex(3)}"
+    model, optimizer = trained()
+    s3 = S3Tier(s3_config, job)
+    s3.write_rank(5, 2, *_planted(model, optimizer, job, 2, 5, how, secret)[::-1])
+    s3.commit_step(5, [2])
+    good_manifest, good_payload = snapshot_of(model, optimizer, job, rank=2, step=5,
+                                              secret=secret)
+    disk = DiskTier(tmp_path, job)
+    disk.write_rank(5, 2, memoryview(good_payload), good_manifest)
+    disk.commit_step(5, [2])
+
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    objects = {"model": fresh, "optimizer": torch.optim.Adam(fresh.parameters(), lr=0.01)}
+    result = restore(objects, 2, 5, [TierSource(s3), TierSource(disk)], secret, job)
+
+    assert result.source == "tier disk"
+    (name, why), = result.failures
+    key = f"s3://{s3_config.bucket}/phalanx/{job}/step_000000000005/rank_2.safetensors"
+    assert name == "tier s3" and why.startswith(f"{error}: tier s3 rank 2 step 5 ({key}")
+    assert detail in why
+    if error == "SnapshotCorrupt":
+        assert re.search(r"tensor '[^']+exp_avg_sq' checksum mismatch", why)  # names it
+    for a, b in zip(fresh.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(SnapshotNotFound, match=f"tier s3: {error}: tier s3 rank 2 step 5"):
+        restore(objects, 2, 5, [TierSource(s3)], secret, job)

@@ -99,7 +99,8 @@ def test_tier_every_s_defaults_off_and_loads_as_seconds(tmp_path: Path) -> None:
 def test_relative_paths_stay_as_written(tmp_path: Path) -> None:
     text = BASE.replace(ENTRY, "rel/train.py:main") + (
         "  run_dir: runs\ntiers:\n  disk:\n    path: ckpt\ndrills:\n  scenario: d.yaml\n"
-        "security:\n  secret_file: s.key\netcd:\n  user: u\n  password_file: pw\n"
+        "security:\n  secret_file: s.key\netcd:\n  endpoints: ['h:1']\n  user: u\n"
+        "  password_file: pw\n"
         "  tls: {ca_file: ca.pem, cert_file: c.pem, key_file: k.pem}\n")
     cfg = load_config(write(tmp_path, text), env={})
     assert (cfg.job.entrypoint, cfg.job.run_dir, cfg.tiers.disk.path) == (
