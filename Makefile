@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(PY) bench/snapshot.py
 	$(PY) bench/replication.py
 	$(PY) bench/recovery.py
+	$(PY) bench/vs_torchrun.py
 
 clean:
 	rm -rf .phalanx .pytest_cache .hypothesis

@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -150,9 +150,12 @@ def stall_timeout_s(overrides: Sequence[str]) -> float:
     return float(load_config(str(ROOT / CONFIG), list(overrides)).detection.stall_timeout_s)
 
 
-def launch(overrides: Sequence[str], timeout_s: float) -> tuple[int | None, str, str, float]:
-    """Run ``phalanx launch``; returns (exit code or None on timeout, stdout, stderr, s)."""
-    cmd = [sys.executable, "-m", "launcher.cli", "launch", str(ROOT / CONFIG)]
+def launch(overrides: Sequence[str], timeout_s: float, config: Path = ROOT / CONFIG,
+           on_start: Callable[[subprocess.Popen], None] | None = None,
+           ) -> tuple[int | None, str, str, float]:
+    """Run ``phalanx launch CONFIG``; returns (exit code or None on timeout, stdout, stderr,
+    seconds). ``on_start`` gets the process as soon as it runs (a watcher's hook)."""
+    cmd = [sys.executable, "-m", "launcher.cli", "launch", str(config)]
     for item in overrides:
         cmd += ["--set", item]
     env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
@@ -160,6 +163,8 @@ def launch(overrides: Sequence[str], timeout_s: float) -> tuple[int | None, str,
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     _CHILDREN.add(proc)
+    if on_start is not None:
+        on_start(proc)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
         code: int | None = proc.returncode

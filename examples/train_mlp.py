@@ -7,13 +7,16 @@ the sha256 of the concatenated final parameters.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 
 import torch
 from torch import nn
 
 import phalanx
+if __package__:              # imported as examples.train_mlp (the tests)
+    from .step_log import StepLog
+else:                        # run as a script: its folder is importable, as with `python`
+    from step_log import StepLog
 
 
 def make_model(hidden: int, seed: int) -> nn.Module:
@@ -39,8 +42,7 @@ def parameter_hash(model: nn.Module) -> str:
 def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.05,
          seed: int = 0, sleep_per_step_s: float = 0.0, step_log: str = "") -> dict:
     """``step_log``: a path prefix; each rank then writes ``<prefix>.rank<r>.json`` with
-    every step's wall time (snapshot capture included) and the steps a capture ended
-    (``bench/replication.py`` reads it)."""
+    every step's wall time and end (see ``step_log.py``; the benches read it)."""
     session = phalanx.Session()
     model = make_model(hidden, seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -48,9 +50,9 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
     session.register(model=model, optimizer=optimizer, scheduler=scheduler)
     with session:
         started = time.perf_counter()
-        log: dict[str, list] = {"step_s": [], "captured": []}
+        log = StepLog(step_log)
         while session.step_index < steps:
-            step_started = time.perf_counter()
+            log.begin()
             with session.step() as step:
                 x, y = batch(seed, session.rank, step, batch_size)
                 optimizer.zero_grad(set_to_none=False)
@@ -63,11 +65,7 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
                 scheduler.step()
                 if sleep_per_step_s:
                     time.sleep(sleep_per_step_s)
-            if step_log:
-                log["step_s"].append(time.perf_counter() - step_started)
-                stats = session.snapshot_stats
-                if stats is not None and stats.last_capture_step == session.step_index:
-                    log["captured"].append(len(log["step_s"]) - 1)
+            log.end(session, step)
         seconds = time.perf_counter() - started
         digest = parameter_hash(model)
         stats, committed = session.snapshot_stats, session.committed_step
@@ -77,9 +75,7 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
               f"last stall {stats.last_stall_s * 1e3:.2f} ms committed step "
               f"{committed}", flush=True)
     print(f"rank {session.rank} final parameter hash {digest}", flush=True)
-    if step_log:
-        with open(f"{step_log}.rank{session.rank}.json", "w") as out:
-            json.dump(log, out)
+    log.write(session.rank)
     return {"hash": digest, "steps": steps, "loss": float(loss.detach()), "seconds": seconds}
 
 

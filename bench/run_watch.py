@@ -1,0 +1,179 @@
+"""Watching a benchmark run from outside: per-rank progress files read as they grow, a
+SIGKILL of one rank at a given step, the run's peak host memory, and small file helpers.
+
+Used by ``bench/vs_torchrun.py`` for torchrun and phalanx alike, so both are watched,
+faulted and measured the same way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+POLL_S = 0.005             # incremental reads of a few new lines: cheap
+SAMPLE_S = 0.2
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class MemorySampler(threading.Thread):
+    """Peak of (private memory of every process descending from ``root`` or sharing a
+    session with one) + (growth of /dev/shm since the start), sampled every 0.2 s."""
+
+    def __init__(self, root: int) -> None:
+        super().__init__(daemon=True)
+        self.root, self.peak, self.processes = root, 0, 0
+        self._halt = threading.Event()
+        self._shm_base = _shm_used()
+
+    def run(self) -> None:
+        while not self._halt.wait(SAMPLE_S):
+            members = process_tree(self.root)
+            self.processes = max(self.processes, len(members))
+            private = sum(_private_bytes(pid) for pid in members)
+            self.peak = max(self.peak, private + max(0, _shm_used() - self._shm_base))
+
+    def stop(self) -> int:
+        self._halt.set()
+        self.join(timeout=5)
+        return self.peak
+
+
+def _shm_used() -> int:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _proc_table() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, session id) of every process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            table[int(entry)] = (int(fields[1]), int(fields[3]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return table
+
+
+def process_tree(root: int) -> set[int]:
+    table = _proc_table()
+    members, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _) in table.items():
+            if ppid == parent and pid not in members:
+                members.add(pid)
+                frontier.append(pid)
+    sessions = {table[p][1] for p in members if p in table} - {0, 1}
+    return members | {pid for pid, (_, sid) in table.items() if sid in sessions}
+
+
+def _private_bytes(pid: int) -> int:
+    """Resident anonymous memory (statm: resident - shared pages)."""
+    try:
+        with open(f"/proc/{pid}/statm", encoding="ascii") as fh:
+            fields = fh.read().split()
+        return max(0, int(fields[1]) - int(fields[2])) * PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class Killer(threading.Thread):
+    """SIGKILLs rank ``target``'s process once ``latest(rank)`` (its last completed step
+    and its pid) says it completed ``fault_step``; records when, and how far every rank
+    had got (``reached``: steps completed by the furthest rank, read 50 ms after)."""
+
+    def __init__(self, latest: Callable[[int], tuple[int, int | None]], world: int,
+                 fault_step: int, target: int) -> None:
+        super().__init__(daemon=True)
+        self.latest, self.world, self.fault_step = latest, world, fault_step
+        self.target = target
+        self.killed_at: float | None = None
+        self.reached: int | None = None
+        self.pid: int | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(POLL_S):
+            step, pid = self.latest(self.target)
+            if step >= self.fault_step and pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                self.killed_at, self.pid = time.time(), pid
+                time.sleep(0.05)   # let in-flight records land before reading progress
+                self.reached = max(self.latest(r)[0] for r in range(self.world)) + 1
+                return
+
+    def stop(self) -> None:
+        self._halt.set()
+
+
+class Tail:
+    """The JSON lines of a file another process appends to, read incrementally."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.records = path, []
+        self._offset = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except OSError:
+            return self.records
+        end = data.rfind(b"\n") + 1        # only complete lines
+        self._offset += end
+        for line in data[:end].splitlines():
+            try:
+                self.records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return self.records
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    return Tail(path).read()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def steady_step_s(ends: list[tuple[int, float]], first: int, end: int) -> float | None:
+    """Mean seconds per step over steps ``first`` .. ``end - 1`` (each step's time is from
+    the previous step's end to its own, so a save between steps counts) of the first pass
+    through them (``ends``: (step, epoch end) in the order they ran)."""
+    seen: dict[int, float] = {}
+    for step, t in ends:
+        seen.setdefault(step, t)
+    window = [s for s in range(max(1, first), end) if s in seen and s - 1 in seen]
+    if not window:
+        return None
+    return (seen[window[-1]] - seen[window[0] - 1]) / len(window)
+
+
+def du(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:
+                pass
+    return total

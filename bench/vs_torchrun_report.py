@@ -1,0 +1,211 @@
+"""The report of ``bench/vs_torchrun.py``: medians per job and system, ratios
+phalanx/torchrun, targets, recovery vs world size, a markdown summary and a PNG."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.common import markdown_table, progress, verdict
+from bench.recovery import med
+
+METRICS = ("wall_s", "steady_step_s", "kill_to_first_step_s", "lost_steps", "bytes_written",
+           "peak_host_memory_bytes")
+SCALING_SYSTEMS = ("dcp_k10", "phalanx")
+
+
+def summarize(runs: list[dict[str, Any]], labels: dict[str, str],
+              references: dict[str, str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per job and system (world 2 runs): medians of every metric over the ok runs,
+    whether every ok run ended with the fault-free parameters, and the steady-state
+    overhead vs ``torchrun`` without checkpoints."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    ok_runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        if run["purpose"] != "main":
+            continue
+        cell = out.setdefault(run["job"], {}).setdefault(run["system"], {
+            "label": labels[run["system"]], "runs": 0, "ok_runs": 0})
+        cell["runs"] += 1
+        if run.get("ok"):
+            cell["ok_runs"] += 1
+            ok_runs.setdefault((run["job"], run["system"]), []).append(run)
+    for job, cells in out.items():
+        for key, cell in cells.items():
+            ok = ok_runs.get((job, key), [])
+            for metric in METRICS:
+                cell[metric] = med([r.get(metric) for r in ok])
+            ref = references.get(job)
+            cell["identical_to_fault_free"] = (all(r.get("hash") == ref for r in ok)
+                                               if ok and ref else None)
+        baseline = cells.get("torchrun", {}).get("steady_step_s")
+        for cell in cells.values():
+            step = cell.get("steady_step_s")
+            cell["overhead"] = (round(step / baseline - 1, 4)
+                                if step is not None and baseline else None)
+    return out
+
+
+def ratios_of(summary: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """phalanx / system for recovery time, lost steps, wall time, bytes and memory."""
+    out: dict[str, dict[str, Any]] = {}
+    for job, cells in summary.items():
+        mine = cells.get("phalanx", {})
+        for key, cell in cells.items():
+            if key in ("phalanx", "torchrun"):
+                continue
+            out.setdefault(job, {})[key] = {
+                metric: _ratio(mine.get(metric), cell.get(metric)) for metric in METRICS}
+    return out
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if a is None or b is None or not b:
+        return None
+    return round(a / b, 4)
+
+
+def targets_of(summary: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    found = []
+    for job, cells in summary.items():
+        mine = cells.get("phalanx", {})
+        k50, async10 = cells.get("dcp_k50"), cells.get("dcp_async_k10")
+        if k50 is not None:
+            speedup = _ratio(k50.get("kill_to_first_step_s"), mine.get("kill_to_first_step_s"))
+            found.append({"job": job, "target": "recovery >= 10x faster than DCP k=50",
+                          "measured": speedup,
+                          "verdict": verdict(speedup is not None and speedup >= 10)})
+        lost = mine.get("lost_steps")
+        found.append({"job": job, "target": "phalanx lost steps <= 1", "measured": lost,
+                      "verdict": verdict(lost is not None and lost <= 1)})
+        if async10 is not None:
+            a, b = mine.get("overhead"), async10.get("overhead")
+            found.append({"job": job, "target": "phalanx overhead <= DCP async_save k=10",
+                          "measured": {"phalanx": a, "dcp_async_k10": b},
+                          "verdict": verdict(a is not None and b is not None and a <= b)})
+    return found
+
+
+def scaling_of(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median recovery time and lost steps per (system, world) of the mlp runs that the
+    scaling plot compares (the world-2 main runs included)."""
+    cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        if run["job"] == "mlp" and run["system"] in SCALING_SYSTEMS and run.get("ok"):
+            cells.setdefault((run["system"], run["world"]), []).append(run)
+    return [{"system": key, "world": world, "runs": len(found),
+             "kill_to_first_step_s": med([r["kill_to_first_step_s"] for r in found]),
+             "lost_steps": med([r["lost_steps"] for r in found])}
+            for (key, world), found in sorted(cells.items())]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# phalanx vs torchrun + DCP ({'quick' if report['quick'] else 'full'} run)", "",
+             f"Machine: {report['machine'].get('cpus')} CPUs, "
+             f"{report['machine'].get('mem_total_kib', 0) / 2**20:.1f} GiB RAM, "
+             f"torch {report['machine'].get('torch')}, {report['machine'].get('platform')}. "
+             f"Medians over {report['repeats']} repeat(s) per mlp cell, "
+             f"{report['transformer_repeats']} per transformer cell. Fault: SIGKILL of rank "
+             f"{report['target_rank']} once it completed the fault step.", ""]
+    for job, cells in report["summary"].items():
+        meta = report["jobs"][job]
+        lines += [f"## {job} (world {meta['world']}, "
+                  f"state {meta['state_mib'] or '?'} MiB per rank)", "",
+                  f"{meta['steps']} steps, fault at step {meta['fault_step']}, steady state "
+                  f"= mean step over steps {meta['window'][0]}..{meta['window'][1] - 1}.", ""]
+        rows = []
+        for cell in cells.values():
+            mem = cell["peak_host_memory_bytes"]
+            rows.append([cell["label"], cell["wall_s"], ms(cell["steady_step_s"]),
+                         _pct(cell["overhead"]), cell["kill_to_first_step_s"],
+                         cell["lost_steps"], _mib(cell["bytes_written"]), _mib(mem),
+                         _same(cell["identical_to_fault_free"]),
+                         f"{cell['ok_runs']}/{cell['runs']}"])
+        lines += [markdown_table(["system", "wall s", "step ms", "overhead",
+                                  "kill→first step s", "lost steps", "written MiB",
+                                  "peak mem MiB", "params = fault-free", "ok"], rows), ""]
+        ratios = report["ratios"].get(job, {})
+        if ratios:
+            lines += ["phalanx / torchrun ratios (below 1: phalanx is lower):", "",
+                      markdown_table(["vs", "recovery", "lost steps", "wall", "written",
+                                      "peak mem"],
+                                     [[cells[k]["label"], r["kill_to_first_step_s"],
+                                       r["lost_steps"], r["wall_s"], r["bytes_written"],
+                                       r["peak_host_memory_bytes"]]
+                                      for k, r in ratios.items()]), ""]
+    if report["scaling"]:
+        lines += ["## Recovery vs world size (mlp)", "",
+                  markdown_table(["system", "world", "kill→first step s", "lost steps", "runs"],
+                                 [[c["system"], c["world"], c["kill_to_first_step_s"],
+                                   c["lost_steps"], c["runs"]] for c in report["scaling"]]), ""]
+    lines += ["## Targets", "",
+              markdown_table(["job", "target", "measured", "verdict"],
+                             [[t["job"], t["target"], json.dumps(t["measured"]), t["verdict"]]
+                              for t in report["targets"]]), ""]
+    failed = [r for r in report["runs"] if not r["ok"]]
+    if failed:
+        lines += ["## Failed runs", ""] + [f"- {r['name']}: {r.get('error')}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 2)
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{share * 100:+.1f}%"
+
+
+def _mib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else round(nbytes / 2**20, 1)
+
+
+def _same(flag: bool | None) -> str:
+    return "-" if flag is None else ("yes" if flag else "NO")
+
+
+def plot(path: Path, report: dict[str, Any]) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        progress(f"matplotlib is not installed: skipped {path}")
+        return False
+    jobs = list(report["summary"])
+    keys = [k for k in report["summary"][jobs[0]] if k != "torchrun"] if jobs else []
+    panels = [("kill_to_first_step_s", "kill → first step after recovery (s)", True),
+              ("lost_steps", "lost (recomputed) steps", False),
+              ("overhead", "steady-state overhead vs no checkpoints", False)]
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(22, 5))
+    width = 0.8 / max(1, len(keys))
+    for ax, (metric, title, log) in zip(axes, panels):
+        for i, key in enumerate(keys):
+            values = [report["summary"][job].get(key, {}).get(metric) for job in jobs]
+            xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(jobs))]
+            ax.bar(xs, [v if v is not None else 0 for v in values], width,
+                   label=report["summary"][jobs[0]][key]["label"],
+                   color="tab:green" if key == "phalanx" else None)
+        ax.set_xticks(range(len(jobs)), jobs)
+        ax.set_title(title)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    ax = axes[-1]
+    for key in sorted({c["system"] for c in report["scaling"]}):
+        cells = [c for c in report["scaling"] if c["system"] == key]
+        ax.plot([c["world"] for c in cells], [c["kill_to_first_step_s"] for c in cells],
+                marker="o", label=key)
+    ax.set_xlabel("world size")
+    ax.set_ylabel("kill → first step (s)")
+    ax.set_title("recovery vs world size (mlp)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle("phalanx vs torchrun + DCP: same job, same SIGKILL")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -1,0 +1,77 @@
+"""bench/vs_torchrun.py --quick runs torchrun (plain, DCP save, DCP async_save) and phalanx
+on the MLP job, kills rank 1 in each faulted run, and reports in the JSON schema the README
+table is built from."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.unit.bench_run import positive, run_quick
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "vs_torchrun.py"
+SYSTEMS = ["torchrun", "dcp_k10", "dcp_async_k10", "phalanx"]
+METRICS = {"wall_s", "steady_step_s", "kill_to_first_step_s", "lost_steps", "bytes_written",
+           "peak_host_memory_bytes", "overhead", "identical_to_fault_free"}
+
+
+@pytest.mark.timeout(360)
+def test_quick_bench_trains_every_system_and_recovers(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    stdout, _ = run_quick(BENCH, out, timeout_s=330, stop_grace_s=60)
+
+    report = json.loads((out / "vs_torchrun.json").read_text())
+    assert report["bench"] == "vs_torchrun" and report["schema_version"] == 1
+    assert report["quick"] and report["ks"] == [10] and report["worlds"] == [2]
+    job = report["jobs"]["mlp"]
+    assert (job["steps"], job["fault_step"], job["world"]) == (32, 24, 2)
+    assert positive(report["machine"]["cpus"])
+
+    runs = {r["system"]: r for r in report["runs"]}
+    assert sorted(runs) == sorted(SYSTEMS) and len(report["runs"]) == 4
+    for key, run in runs.items():
+        assert run["ok"], f"{key}: {run.get('error')}\n{run.get('output_tail')}"
+        assert run["steps_completed"] == 32 and run["ranks_agree"], key
+        assert len(run["hash"]) == 64, key
+        assert positive(run["wall_s"]) and positive(run["steady_step_s"]), key
+        assert positive(run["peak_host_memory_bytes"]) and run["processes"] >= 2, key
+    # the reference: plain torchrun, never faulted
+    assert report["references"]["mlp"] == runs["torchrun"]["hash"]
+    assert "kill_to_first_step_s" not in runs["torchrun"]
+    for key in ("dcp_k10", "dcp_async_k10", "phalanx"):
+        run = runs[key]
+        assert positive(run["kill_to_first_step_s"]), key
+        assert run["reached_step"] >= 25 and 0 <= run["resume_step"] < run["reached_step"], key
+        assert run["lost_steps"] == run["reached_step"] - run["resume_step"], key
+        assert isinstance(run["identical_to_fault_free"], bool), key
+    for key in ("dcp_k10", "dcp_async_k10"):   # a restart: new processes resumed from DCP
+        run = runs[key]
+        assert run["attempts"] == 2 and run["bytes_written"] > 0, key
+        assert run["resume_step"] in (10, 20) and run["checkpoints"][:2] == \
+            ["step_000010", "step_000020"], key
+        assert set(run["phases"]) == {"restart", "import", "init_and_load", "first_step"}, key
+    phalanx = runs["phalanx"]
+    assert phalanx["recoveries"] == 1 and phalanx["detected_as"] == "worker_died"
+    # the same deterministic job: phalanx's recovered run ends on the fault-free parameters
+    assert phalanx["identical_to_fault_free"] is True
+
+    cells = report["summary"]["mlp"]
+    assert sorted(cells) == sorted(SYSTEMS)
+    for key, cell in cells.items():
+        assert METRICS <= set(cell) and cell["ok_runs"] == cell["runs"] == 1, key
+    assert cells["torchrun"]["overhead"] == 0.0
+    assert set(report["ratios"]["mlp"]) == {"dcp_k10", "dcp_async_k10"}
+    assert {t["target"] for t in report["targets"]} == {
+        "phalanx lost steps <= 1", "phalanx overhead <= DCP async_save k=10"}
+    assert all(t["verdict"] in ("PASS", "MISS") for t in report["targets"])
+    assert {(c["system"], c["world"]) for c in report["scaling"]} == \
+        {("dcp_k10", 2), ("phalanx", 2)}
+
+    text = (out / "vs_torchrun.md").read_text()
+    assert "| phalanx (defaults, 1 warm spare) |" in text and "## Targets" in text
+    assert text in stdout
+    if report["png"] is not None:
+        assert Path(report["png"]).stat().st_size > 10_000
