@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -63,15 +64,17 @@ from bench.vs_torchrun_report import (SCALING_SYSTEMS, markdown, ms, plot,  # no
 SCHEMA_VERSION = 1
 TARGET_RANK = 1
 WINDOW = 50                # steady state: the last WINDOW steps before the fault
+SCALING_STEPS = (30, 24)   # steps, fault step of the scaling runs (only recovery counts)
 JOBS: dict[str, dict[str, Any]] = {
     # the demo's MLP: sleep_per_step_s stands for 50 ms of compute per step
-    # steps / fault_step: lost steps at the kill are then K/2 for K = 10 and 50 alike (the
-    # mean over random fault times), and the 50 steps before the fault hold one save per K
-    "mlp": {"entrypoint": "examples/train_mlp.py:main", "steps": 134, "fault_step": 124,
+    # steps / fault_step: the mlp loses K/2 steps at the kill for K = 10 and 50 alike (the
+    # mean over random fault times), and its 50 steps before the fault hold one save per K;
+    # the transformer (0.4 s steps) is killed before DCP k=50's first save: it starts over
+    "mlp": {"entrypoint": "examples/train_mlp.py:main", "steps": 80, "fault_step": 74,
             "args": {"batch_size": 32, "hidden": 64, "lr": 0.05, "seed": 0,
                      "sleep_per_step_s": 0.05}},
-    "transformer": {"entrypoint": "examples/train_transformer.py:main", "steps": 84,
-                    "fault_step": 74,
+    "transformer": {"entrypoint": "examples/train_transformer.py:main", "steps": 50,
+                    "fault_step": 44,
                     "args": {"batch_size": 2, "lr": 0.001, "seed": 0}},
 }
 
@@ -230,11 +233,29 @@ def _torchrun_recovery(out: dict[str, Any], killer: Killer,
                 "kill_to_first_step_s": round(first_step - kill, 4),
                 "lost_steps": killer.reached - resume_step if killer.reached else None,
                 "load_s": max(s["seconds"] for s in resumed),
+                "kill_to_regained_s": regained(
+                    {r: [(x["step"], x["t"]) for x in rs if x["event"] == "step"]
+                     for r, rs in after.items()}, kill, killer.reached),
                 "phases": {"restart": round(spawned - kill, 4),
                            "import": round(imported - spawned, 4),
                            "init_and_load": round(loaded - imported, 4),
                            "first_step": round(first_step - loaded, 4)}})
     return []
+
+
+def regained(steps: dict[int, list[tuple[int, float]]], kill: float,
+             reached: int | None) -> float | None:
+    """Seconds from the kill until every rank completed again the last step reached before
+    it (``steps``: per rank, (step, epoch end)): recovery plus recomputing lost steps."""
+    if not reached:
+        return None
+    ends = []
+    for found in steps.values():
+        again = [t for step, t in found if t > kill and step >= reached - 1]
+        if not again:
+            return None
+        ends.append(min(again))
+    return round(max(ends) - kill, 4)
 
 
 def _stop_torchrun(proc: subprocess.Popen) -> None:
@@ -255,7 +276,7 @@ def _stop_torchrun(proc: subprocess.Popen) -> None:
 
 # -- phalanx -------------------------------------------------------------------------------
 def phalanx_config(run: Run, root: Path, timeout_s: float) -> Path:
-    """Defaults everywhere but the job, 2 virtual nodes and logical CPUs for world 8."""
+    """Defaults everywhere but the job, 2 virtual nodes and room for ``world`` ranks."""
     job_args = {**JOBS[run.job]["args"], "steps": run.steps, "step_log": str(root / "steps")}
     text = "\n".join([
         "job:",
@@ -268,12 +289,19 @@ def phalanx_config(run: Run, root: Path, timeout_s: float) -> Path:
         f"  args: {json.dumps(job_args)}",
         "ray:",
         "  virtual_nodes: 2",
-        "  cpus_per_node: 8   # logical CPUs: room for 8 workers + a spare at 0.5 each",
+        f"  cpus_per_node: {cpus_per_node(run.world)}",
         "spares:",
         "  count: 1", ""])
     path = root / "phalanx.yaml"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def cpus_per_node(world: int) -> float:
+    """Ray's logical CPUs per virtual node: the default 2, or just enough for ``world``
+    workers and the spare at ``job.cpus_per_worker`` 0.5 each. More than needed costs
+    steady-state time: Ray starts idle worker processes up to its CPU count."""
+    return max(2.0, math.ceil((world + 1) * 0.5 / 2))
 
 
 def run_phalanx(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
@@ -323,7 +351,9 @@ def run_phalanx(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
         errors.append(f"phalanx launch exited {code}")
     if not out["ranks_agree"]:
         errors.append(f"{len(hashes)} of {run.world} ranks printed one final hash")
-    errors += _phalanx_recovery(out, killer, events)
+    steps = {r: [(x["step"], x["t"]) for x in json_lines(Path(f"{live}.rank{r}.live"))]
+             for r in range(run.world)}
+    errors += _phalanx_recovery(out, killer, events, steps)
     out["ok"] = not errors
     if errors:
         out["error"] = "; ".join(errors)
@@ -331,8 +361,8 @@ def run_phalanx(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
     return out
 
 
-def _phalanx_recovery(out: dict[str, Any], killer: Killer,
-                      events: list[dict[str, Any]]) -> list[str]:
+def _phalanx_recovery(out: dict[str, Any], killer: Killer, events: list[dict[str, Any]],
+                      steps: dict[int, list[tuple[int, float]]]) -> list[str]:
     if killer.killed_at is None:
         return ["the fault never fired (rank 1 did not reach the fault step)"]
     kill = killer.killed_at
@@ -347,6 +377,7 @@ def _phalanx_recovery(out: dict[str, Any], killer: Killer,
                 "resume_step": resume_step, "kill_to_first_step_s": round(kill_to_first, 4),
                 "lost_steps": killer.reached - resume_step if killer.reached else None,
                 "phalanx_lost_steps": record.get("lost_steps"),
+                "kill_to_regained_s": regained(steps, kill, killer.reached),
                 "recoveries": sum(1 for e in events if e.get("event") == "recovered"),
                 "detected_as": record.get("fault"),
                 "phases": phases_of(record, kill_to_first)})
@@ -364,10 +395,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="repeats of each mlp cell")
     p.add_argument("--transformer-repeats", type=int, default=1)
     p.add_argument("--steps", type=int, default=None,
-                   help="steps of every job (default: mlp 134, transformer 84)")
+                   help="steps of every job (default: mlp 80, transformer 50)")
     p.add_argument("--fault-step", type=int, default=None,
-                   help="rank 1 is killed once it completed this step (default: mlp 124, "
-                   "transformer 74)")
+                   help="rank 1 is killed once it completed this step (default: mlp 74, "
+                   "transformer 44)")
     p.add_argument("--worlds", default="2,4,8", help="world sizes of the scaling runs")
     p.add_argument("--run-timeout", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -407,8 +438,7 @@ def plan(args: argparse.Namespace) -> list[Run]:
             if world == 2:
                 continue   # the main runs are world 2
             for system in scaling:
-                runs.append(Run(system, "mlp", world, *steps_of(args, "mlp"), 0,
-                                purpose="scaling"))
+                runs.append(Run(system, "mlp", world, *SCALING_STEPS, 0, purpose="scaling"))
     return runs
 
 

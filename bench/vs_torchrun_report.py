@@ -9,8 +9,8 @@ from typing import Any
 from bench.common import markdown_table, progress, verdict
 from bench.recovery import med
 
-METRICS = ("wall_s", "steady_step_s", "kill_to_first_step_s", "lost_steps", "bytes_written",
-           "peak_host_memory_bytes")
+METRICS = ("wall_s", "steady_step_s", "kill_to_first_step_s", "kill_to_regained_s",
+           "lost_steps", "bytes_written", "peak_host_memory_bytes")
 SCALING_SYSTEMS = ("dcp_k10", "phalanx")
 
 
@@ -118,19 +118,20 @@ def markdown(report: dict[str, Any]) -> str:
             mem = cell["peak_host_memory_bytes"]
             rows.append([cell["label"], cell["wall_s"], ms(cell["steady_step_s"]),
                          _pct(cell["overhead"]), cell["kill_to_first_step_s"],
+                         cell["kill_to_regained_s"],
                          cell["lost_steps"], _mib(cell["bytes_written"]), _mib(mem),
                          _same(cell["identical_to_fault_free"]),
                          f"{cell['ok_runs']}/{cell['runs']}"])
         lines += [markdown_table(["system", "wall s", "step ms", "overhead",
-                                  "kill→first step s", "lost steps", "written MiB",
+                                  "kill→first step s", "kill→regained s", "lost steps", "written MiB",
                                   "peak mem MiB", "params = fault-free", "ok"], rows), ""]
         ratios = report["ratios"].get(job, {})
         if ratios:
             lines += ["phalanx / torchrun ratios (below 1: phalanx is lower):", "",
-                      markdown_table(["vs", "recovery", "lost steps", "wall", "written",
-                                      "peak mem"],
+                      markdown_table(["vs", "recovery", "regained", "lost steps", "wall",
+                                      "written", "peak mem"],
                                      [[cells[k]["label"], r["kill_to_first_step_s"],
-                                       r["lost_steps"], r["wall_s"], r["bytes_written"],
+                                       r["kill_to_regained_s"], r["lost_steps"], r["wall_s"], r["bytes_written"],
                                        r["peak_host_memory_bytes"]]
                                       for k, r in ratios.items()]), ""]
     if report["scaling"]:
@@ -164,6 +165,13 @@ def _same(flag: bool | None) -> str:
     return "-" if flag is None else ("yes" if flag else "NO")
 
 
+PALETTE = ("tab:blue", "tab:orange", "tab:purple", "tab:red", "tab:brown", "tab:pink")
+
+
+def _color(key: str, index: int) -> str:
+    return "tab:green" if key == "phalanx" else PALETTE[index % len(PALETTE)]
+
+
 def plot(path: Path, report: dict[str, Any]) -> bool:
     try:
         import matplotlib
@@ -175,9 +183,10 @@ def plot(path: Path, report: dict[str, Any]) -> bool:
     jobs = list(report["summary"])
     keys = [k for k in report["summary"][jobs[0]] if k != "torchrun"] if jobs else []
     panels = [("kill_to_first_step_s", "kill → first step after recovery (s)", True),
+              ("kill_to_regained_s", "kill → back at the step reached (s)", True),
               ("lost_steps", "lost (recomputed) steps", False),
               ("overhead", "steady-state overhead vs no checkpoints", False)]
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(22, 5))
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(27, 5))
     width = 0.8 / max(1, len(keys))
     for ax, (metric, title, log) in zip(axes, panels):
         for i, key in enumerate(keys):
@@ -185,7 +194,7 @@ def plot(path: Path, report: dict[str, Any]) -> bool:
             xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(jobs))]
             ax.bar(xs, [v if v is not None else 0 for v in values], width,
                    label=report["summary"][jobs[0]][key]["label"],
-                   color="tab:green" if key == "phalanx" else None)
+                   color=_color(key, i))
         ax.set_xticks(range(len(jobs)), jobs)
         ax.set_title(title)
         if log:

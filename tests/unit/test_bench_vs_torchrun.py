@@ -14,8 +14,9 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "vs_torchrun.py"
 SYSTEMS = ["torchrun", "dcp_k10", "dcp_async_k10", "phalanx"]
-METRICS = {"wall_s", "steady_step_s", "kill_to_first_step_s", "lost_steps", "bytes_written",
-           "peak_host_memory_bytes", "overhead", "identical_to_fault_free"}
+METRICS = {"wall_s", "steady_step_s", "kill_to_first_step_s", "kill_to_regained_s",
+           "lost_steps", "bytes_written", "peak_host_memory_bytes", "overhead",
+           "identical_to_fault_free"}
 
 
 @pytest.mark.timeout(360)
@@ -44,6 +45,7 @@ def test_quick_bench_trains_every_system_and_recovers(tmp_path: Path) -> None:
     for key in ("dcp_k10", "dcp_async_k10", "phalanx"):
         run = runs[key]
         assert positive(run["kill_to_first_step_s"]), key
+        assert run["kill_to_regained_s"] >= run["kill_to_first_step_s"], key
         assert run["reached_step"] >= 25 and 0 <= run["resume_step"] < run["reached_step"], key
         assert run["lost_steps"] == run["reached_step"] - run["resume_step"], key
         assert isinstance(run["identical_to_fault_free"], bool), key
