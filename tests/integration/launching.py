@@ -1,12 +1,17 @@
-"""Helpers to run ``phalanx launch`` as a real subprocess, the way a user does."""
+"""Helpers to run ``phalanx launch`` as a real subprocess, the way a user does, and to
+compute a job's fault-free result without phalanx."""
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from configs.loader import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 HASH_RE = re.compile(r"rank (\d+) final parameter hash ([0-9a-f]{64})")
@@ -36,3 +41,40 @@ def launch(config: str, *overrides: str, run_root: Path, timeout_s: float = 240)
                           capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "COLUMNS": "200"})
     return LaunchResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+@dataclass
+class Reference:
+    """Fault-free final parameter hashes, per rank."""
+    hashes: dict[int, str]
+
+
+def gloo_reference(config: str, *overrides: str, run_root: Path,
+                   timeout_s: float = 180) -> Reference:
+    """The fault-free result of the config's ``examples/train_mlp.py`` job computed without
+    phalanx: the same model, data, gloo all-reduce and optimizer under torchrun
+    (``bench/torchrun_train.py``, no checkpoints, no sleeps), whose final parameters equal
+    a fault-free phalanx run's bit for bit (``bench/vs_torchrun.py`` compares them every
+    run). About 10 s where a ``phalanx launch`` takes 30-40 s."""
+    cfg = load_config(str(ROOT / config), [*overrides, f"job.run_dir={run_root}"])
+    assert cfg.job.entrypoint.endswith("train_mlp.py:main"), cfg.job.entrypoint
+    args = {k: v for k, v in cfg.job.args.items() if k != "sleep_per_step_s"}
+    progress = run_root / "gloo-reference"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+           str(cfg.job.world_size), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", str(ROOT / "bench" / "torchrun_train.py"), "--job", "mlp",
+           "--job-args", json.dumps(args), "--ckpt-dir", str(progress / "checkpoints"),
+           "--progress", str(progress)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hashes = {}
+    for rank in range(cfg.job.world_size):
+        for line in (progress / f"rank{rank}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record["event"] == "done":
+                hashes[rank] = record["hash"]
+    assert len(hashes) == cfg.job.world_size, hashes
+    return Reference(hashes)

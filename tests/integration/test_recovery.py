@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.launching import ROOT, LaunchResult, launch
+from tests.integration.launching import ROOT, LaunchResult, Reference, gloo_reference, launch
 from tests.plugins.leaks import Footprint, assert_nothing_left
 
 pytestmark = pytest.mark.integration
@@ -22,10 +22,8 @@ PID_RE = re.compile(r"event=worker_run rank=(\d+) pid=(\d+)")
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> LaunchResult:
-    result = launch("configs/demo.yaml", *JOB, run_root=tmp_path_factory.mktemp("free"))
-    assert result.returncode == 0, result.stderr
-    return result
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    return gloo_reference("configs/demo.yaml", *JOB, run_root=tmp_path_factory.mktemp("free"))
 
 
 def run_dir_of(result: LaunchResult) -> Path:
@@ -46,7 +44,7 @@ def worker_pids(run_dir: Path) -> dict[str, int]:
     return pids
 
 
-def assert_recovered(result: LaunchResult, fault_free: LaunchResult, replaced_rank: int) -> dict:
+def assert_recovered(result: LaunchResult, fault_free: Reference, replaced_rank: int) -> dict:
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.hashes == fault_free.hashes, "final parameters differ from the fault-free run"
     events = events_of(result)
@@ -64,7 +62,7 @@ def assert_recovered(result: LaunchResult, fault_free: LaunchResult, replaced_ra
 
 @pytest.mark.timeout(400)
 def test_spares_on_dedicated_nodes_without_replenishing(tmp_path: Path,
-                                                        fault_free: LaunchResult) -> None:
+                                                        fault_free: Reference) -> None:
     """spares.placement: nodes keeps the spare on node 0, so rank 1 (node 1) moves there;
     spares.replenish: false starts no replacement after the promotion."""
     cmd = [sys.executable, "-m", "launcher.cli", "-v", "launch", str(ROOT / "configs/demo.yaml")]
@@ -83,7 +81,7 @@ def test_spares_on_dedicated_nodes_without_replenishing(tmp_path: Path,
 
 
 @pytest.mark.timeout(400)
-def test_no_spare_restarts_a_fresh_worker(tmp_path: Path, fault_free: LaunchResult) -> None:
+def test_no_spare_restarts_a_fresh_worker(tmp_path: Path, fault_free: Reference) -> None:
     result = launch("configs/demo.yaml", *JOB, "spares.count=0", "spares.on_exhausted=restart",
                     "drills.scenario=configs/drills/kill_worker.yaml", run_root=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

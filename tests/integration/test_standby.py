@@ -18,7 +18,8 @@ from typing import Callable, Iterator
 import pytest
 
 from runtime.membership_etcd import EtcdMembership, job_prefix
-from tests.integration.launching import ROOT, LaunchResult, launch, phalanx_command
+from tests.integration.launching import (ROOT, LaunchResult, Reference, gloo_reference,
+                                         phalanx_command)
 from tests.integration.test_recovery import worker_pids
 
 pytestmark = pytest.mark.integration
@@ -42,10 +43,8 @@ def ray_address() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> LaunchResult:
-    result = launch("configs/demo.yaml", *JOB, run_root=tmp_path_factory.mktemp("free"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    return gloo_reference("configs/demo.yaml", *JOB, run_root=tmp_path_factory.mktemp("free"))
 
 
 class Launcher:
@@ -83,7 +82,7 @@ def wait_until(predicate: Callable[[], bool], within_s: float, what: str) -> Non
 
 @pytest.mark.timeout(600)
 def test_standby_takes_over_a_killed_leader_and_recovers_the_next_fault(
-        tmp_path: Path, etcd_endpoint: str, ray_address: str, fault_free: LaunchResult) -> None:
+        tmp_path: Path, etcd_endpoint: str, ray_address: str, fault_free: Reference) -> None:
     shared = (*JOB, f"job.name={NAME}", f"etcd.endpoints=[{etcd_endpoint}]",
               f"ray.address={ray_address}", "coordinator.standby=true")
     etcd = EtcdMembership([etcd_endpoint], job_prefix("/phalanx", NAME)).connect()
