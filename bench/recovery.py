@@ -2,7 +2,7 @@
 """Recovery time: real faults injected into real ``phalanx launch`` runs, fault to first step.
 
 For each cell (fault kind, world size, parameter MiB per rank) and each repeat, this runs
-``python -m launcher.cli launch configs/demo.yaml --set ...`` as a subprocess, the way a user
+``python -m phalanx.launcher.cli launch configs/demo.yaml --set ...`` as a subprocess, the way a user
 does, with:
 
 * the job ``examples/train_state.py:main`` — deterministic data-parallel training whose
@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from runtime.shm import mem_available  # noqa: E402
+from phalanx.runtime.keeper.shm import mem_available  # noqa: E402
 from bench.common import (machine_info, markdown_table, median, progress, verdict,  # noqa: E402
                           write_json)
 
@@ -146,7 +146,7 @@ def overrides_for(args: argparse.Namespace, world: int, nodes: int, state_mb: fl
 
 
 def stall_timeout_s(overrides: Sequence[str]) -> float:
-    from configs.loader import load_config
+    from phalanx.configs.loader import load_config
     return float(load_config(str(ROOT / CONFIG), list(overrides)).detection.stall_timeout_s)
 
 
@@ -155,7 +155,7 @@ def launch(overrides: Sequence[str], timeout_s: float, config: Path = ROOT / CON
            ) -> tuple[int | None, str, str, float]:
     """Run ``phalanx launch CONFIG``; returns (exit code or None on timeout, stdout, stderr,
     seconds). ``on_start`` gets the process as soon as it runs (a watcher's hook)."""
-    cmd = [sys.executable, "-m", "launcher.cli", "launch", str(config)]
+    cmd = [sys.executable, "-m", "phalanx.launcher.cli", "launch", str(config)]
     for item in overrides:
         cmd += ["--set", item]
     env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}

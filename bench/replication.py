@@ -66,7 +66,7 @@ def launch(overrides: list[str], run_root: Path) -> dict:
     """One launched job: its loop time (median over ranks) and the snapshots' share of it
     (median over ranks, from the ranks' step logs)."""
     step_log = run_root / f"steps-{len(list(run_root.glob('steps-*')))}"
-    cmd = [sys.executable, "-m", "launcher.cli", "launch", str(ROOT / "configs/demo.yaml"),
+    cmd = [sys.executable, "-m", "phalanx.launcher.cli", "launch", str(ROOT / "configs/demo.yaml"),
            "--set", f"job.run_dir={run_root}", "--set", f"job.args.step_log={step_log}"]
     for item in overrides:
         cmd += ["--set", item]

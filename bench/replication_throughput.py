@@ -33,9 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.keeper import Keeper, KeeperClient  # noqa: E402
-from runtime.replication import Replicator  # noqa: E402
-from runtime.snapshot_format import checksums, make_manifest, plan_layout, write_into  # noqa: E402
+from phalanx.runtime.keeper.daemon import Keeper, KeeperClient  # noqa: E402
+from phalanx.runtime.node import node_keeper  # noqa: E402
+from phalanx.runtime.replication.pusher import Replicator  # noqa: E402
+from phalanx.runtime.snapshot.format import checksums, make_manifest, plan_layout, write_into  # noqa: E402
 
 SECRET = b"bench-replication-secret-0123456789"
 CHUNK = 4 << 20
@@ -114,7 +115,7 @@ def replication(nbytes: int, steps: int, digest: str) -> dict:
             events.append(event)
             done.notify_all()
 
-    with Keeper("a", job, SECRET) as a, Keeper("b", job, SECRET) as b:
+    with node_keeper("a", job, SECRET) as a, node_keeper("b", job, SECRET) as b:
         worker = _Worker(a, job, 0, tensors)
         rep = Replicator(a, "a", secret=SECRET, job=job, chunk_bytes=CHUNK, on_event=on_event,
                          digest=digest)

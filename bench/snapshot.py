@@ -60,11 +60,11 @@ from torch import nn  # noqa: E402
 
 from bench.common import (MiB, bar_chart, gbps, machine_info, markdown_table, median,  # noqa: E402
                           progress, summary, verdict, write_json)
-from runtime import fused_copy  # noqa: E402
-from runtime.checksum import DEFAULT_ALGO, Span, digest_spans  # noqa: E402
-from runtime.keeper import Keeper  # noqa: E402
-from runtime.keeper_wire import KeeperClient  # noqa: E402
-from runtime.snapshotter import SnapshotPolicy, Snapshotter  # noqa: E402
+from phalanx.runtime.snapshot import fused_copy  # noqa: E402
+from phalanx.runtime.snapshot.checksum import DEFAULT_ALGO, Span, digest_spans  # noqa: E402
+from phalanx.runtime.keeper.daemon import Keeper  # noqa: E402
+from phalanx.runtime.keeper.wire import KeeperClient  # noqa: E402
+from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter  # noqa: E402
 
 SCHEMA_VERSION = 1
 LAYERS = 8                      # 8 Linear layers -> 16 tensors (weight + bias each)
@@ -458,7 +458,7 @@ def notes(device: str, hash_gbps: dict[str, float]) -> list[str]:
         "fused with the per-tensor checksums (on as many threads as torch's intra-op "
         "threads), the manifest (HMAC-signed) and the publish RPC to the keeper.",
         "CPU xxh3 capture, fused copy used in this run: " + fused_copy_used() + ". The "
-        "native kernel (runtime/fused_copy.c) hashes each 32 KiB piece of the source while it "
+        "native kernel (runtime/snapshot/fused_copy.c) hashes each 32 KiB piece of the source while it "
         "is in L1 and streams it to the slot with non-temporal stores (no read-for-ownership "
         "of the slot), which is why its copy can outrun the memcpy limit (torch copy_, "
         "regular stores); blake3 and sha256 copy with numpy and hash the copied chunk.",

@@ -18,10 +18,10 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.error import Mark
 
-from configs.errors import ConfigError
-from configs.introspect import describe, did_you_mean, field_types, is_section, union_arms
-from configs.overrides import apply_override, collect_overrides
-from configs.schema import PhalanxConfig
+from phalanx.configs.errors import ConfigError
+from phalanx.configs.introspect import describe, did_you_mean, field_types, is_section, union_arms
+from phalanx.configs.overrides import apply_override, collect_overrides
+from phalanx.configs.schema import PhalanxConfig
 
 ROOT_KEY = "(root)"
 YAML_KEY = "(yaml)"

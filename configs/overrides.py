@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import yaml
 from yaml.error import Mark
 
-from configs.errors import ConfigError
-from configs.introspect import describe, did_you_mean, field_types, is_section
+from phalanx.configs.errors import ConfigError
+from phalanx.configs.introspect import describe, did_you_mean, field_types, is_section
 
 SET_SOURCE = "--set"
 ENV_VAR = "PHALANX_SET"

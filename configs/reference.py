@@ -1,14 +1,14 @@
 """The config reference: a markdown table per section, generated from the schema.
 
-``python -m configs.reference`` prints it; the README embeds the same text.
+``python -m phalanx.configs.reference`` prints it; the README embeds the same text.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from configs.introspect import describe, field_types, is_section, walk_leaves
-from configs.schema import PhalanxConfig
+from phalanx.configs.introspect import describe, field_types, is_section, walk_leaves
+from phalanx.configs.schema import PhalanxConfig
 
 _INTRO = ("Every key below can be written in the YAML file, passed as `--set key=value` "
           "(the value is read as YAML: `4`, `auto`, `[a:1, b:2]`) or listed in the "

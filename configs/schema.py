@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from configs.errors import ConfigError
+from phalanx.configs.errors import ConfigError
 
 
 def doc(text: str, default: Any = None, factory: Any = None) -> Any:
@@ -393,6 +393,13 @@ class RecoveryConfig:
 class DrillsConfig:
     scenario: str = doc("drill scenario file (configs/drills/*.yaml) injected into this run", "")
     seed: int = doc("seed of probabilistic faults", 0)
+    enabled: bool = doc("accept faults from `phalanx drill inject` (always on with a "
+                        "scenario); off, a job has no drill hooks at all", False)
+
+    @property
+    def active(self) -> bool:
+        """Whether this run carries drill hooks: an injector, SIGUSR1, tensor-address files."""
+        return self.enabled or bool(self.scenario)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
 """CLI, composition root, embedded services, worker actors, drills and reports."""
-from configs.environment import apply_ray_environment
+from phalanx.configs.environment import apply_ray_environment
 
 apply_ray_environment()

@@ -21,18 +21,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from configs.errors import (ConfigError, SnapshotCorrupt, SnapshotNotFound,
-                            SnapshotUnauthenticated, TierUnavailable)
-from launcher.rundir import LATEST
-from runtime.tier_disk import COMMIT_NAME, STEP_RE, DiskTier, atomic_write, rank_file_names
+from phalanx.configs.errors import (ConfigError, SnapshotCorrupt, SnapshotNotFound,
+                                    SnapshotUnauthenticated, TierUnavailable)
+from phalanx.launcher.rundir import LATEST
+from phalanx.runtime.tiers.disk import COMMIT_NAME, STEP_RE, DiskTier, atomic_write, rank_file_names
 
 if TYPE_CHECKING:                # torch and boto3 load only when a command needs them
     import torch
 
-    from configs.schema import PhalanxConfig
-    from runtime.snapshot_format import Manifest
-    from runtime.base import Tier
-    from runtime.tier_s3 import S3Tier
+    from phalanx.configs.schema import PhalanxConfig
+    from phalanx.runtime.snapshot.format import Manifest
+    from phalanx.runtime.base import Tier
+    from phalanx.runtime.tiers.s3 import S3Tier
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ def check_rank(tier: Tier, step: int, rank: int, secret: bytes | None
     """Read and check one rank: manifest, HMAC (when ``secret``), placement, header
     against manifest, every checksum. Returns the verdict and, when ok, the checked rank.
     Raises TierUnavailable when the tier refuses."""
-    from runtime.snapshot_format import Manifest, read_tensors
+    from phalanx.runtime.snapshot.format import Manifest, read_tensors
 
     where = f"tier {tier.name} step {step} rank {rank}"
     try:
@@ -288,7 +288,7 @@ def verify_step(tier: Tier, listing: StepListing, secret: bytes | None) -> list[
 def export_rank(checked: CheckedRank, out_dir: Path, rank: int) -> None:
     """Write ``rank_<r>.safetensors`` (tensors, payload metadata plus the tree spec as
     JSON under ``phalanx_tree_spec``) and ``rank_<r>.json`` (the manifest, verbatim)."""
-    from runtime.snapshot_format import plan_layout, write_into
+    from phalanx.runtime.snapshot.format import plan_layout, write_into
 
     length = int.from_bytes(checked.payload[:8], "little")  # parse_header checked it
     metadata = dict(json.loads(checked.payload[8:8 + length]).get("__metadata__", {}))
@@ -489,7 +489,7 @@ def load_ckpt_config(args: argparse.Namespace) -> PhalanxConfig | None:
         raise _usage("--set", "overrides need a config", "pass --config CONFIG with --set")
     if not args.config:
         return None
-    from configs.loader import load_config
+    from phalanx.configs.loader import load_config
     return load_config(args.config, args.overrides)
 
 
@@ -530,7 +530,7 @@ def _s3(args: argparse.Namespace, cfg: PhalanxConfig | None) -> S3Access:
     if not cfg.tiers.s3.bucket:
         raise _usage("tiers.s3.bucket", f"is empty in {args.config}",
                      "set it in the config or with --set tiers.s3.bucket=NAME")
-    from runtime.tier_s3 import S3Tier
+    from phalanx.runtime.tiers.s3 import S3Tier
     return S3Access(S3Tier(cfg.tiers.s3, args.job or cfg.job.name, deadline_s=30.0))
 
 

@@ -9,9 +9,9 @@ from typing import Sequence
 
 from rich.console import Console
 
-from configs.errors import ConfigError, PhalanxError, WorkerFailed
-from launcher.ckpt_commands import add_ckpt_parser, run_ckpt
-from launcher.drill_commands import add_drill_parser
+from phalanx.configs.errors import ConfigError, PhalanxError, WorkerFailed
+from phalanx.launcher.ckpt_commands import add_ckpt_parser, run_ckpt
+from phalanx.launcher.drills.commands import add_drill_parser
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 
@@ -45,14 +45,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "launch":
             return _launch(args, console)
         if args.command == "drill":
-            from launcher.drill_commands import run_drill_command
+            from phalanx.launcher.drills.commands import run_drill_command
 
             return run_drill_command(args, console)
         if args.command == "ckpt":
             return run_ckpt(args, console)
         if args.command == "status":
-            from launcher.rundir import RunDir
-            from launcher.status import show_status
+            from phalanx.launcher.rundir import RunDir
+            from phalanx.launcher.status import show_status
             return show_status(RunDir.find(args.run_dir), console)
     except ConfigError as exc:
         console.print(f"[red]config error:[/red] {exc}", highlight=False)
@@ -76,12 +76,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace, console: Console) -> int:
-    from configs.loader import load_config
-    from launcher.job import JobRunner  # imports Ray and torch: only when launching
+    from phalanx.configs.loader import load_config
+    from phalanx.launcher.job import JobRunner  # imports Ray and torch: only when launching
 
     cfg = load_config(args.config, args.overrides)
     if cfg.drills.scenario:     # a scenario's own config overrides; the command line wins
-        from launcher.drills import load_scenario
+        from phalanx.launcher.drills.scenario import load_scenario
 
         scenario = load_scenario(cfg.drills.scenario)
         cfg = load_config(args.config, [*scenario.override_args(), *args.overrides])

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from configs.errors import MembershipUnavailable
-from runtime.base import Membership
+from phalanx.configs.errors import MembershipUnavailable
+from phalanx.runtime.base import Membership
 
 log = logging.getLogger(__name__)
 EVENTS_PREFIX = "events/"

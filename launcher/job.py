@@ -15,41 +15,38 @@ from typing import Any
 import ray
 from rich.console import Console
 
-from configs.errors import ConfigError, PhalanxError, PlanInfeasible
-from configs.schema import PhalanxConfig
-from runtime.entrypoint import resolve_path
-from launcher.keeper_actor import build_tiers, node_name
-from launcher.commit_tracker import CommitTracker
-from launcher.coordinator import RankSlot, RecoveryCoordinator
-from launcher.drill_env import JobFaultEnv
-from launcher.drills import load_scenario
-from launcher.faults import prepare_job
-from launcher.injector import Deferred, Injector
-from launcher.run_observer import RunObserver
-from launcher.etcd_outage import EtcdOutage, outage_grace_s
-from launcher.events import EventLog
-from launcher.keeper_events import KEEPER_EVENTS_FINAL_WAIT_S, KeeperEvents
-from launcher.keeper_restart import KeeperRestarts, start_keeper_actor
-from launcher.monitor import Monitor, PollResult
-from launcher.node_watch import NodeWatch
-from launcher.progress import ProgressView
-from launcher.ray_cluster import node_resource, raylet_addresses
-from launcher.rundir import RunDir
-from launcher.leadership import JobState, LeadershipLost, read_state
-from launcher.takeover import (StatePublisher, adopt_keepers, adopt_workers, job_state,
-                               resume_coordinator)
-from launcher.services import Services, join_services, start_services
-from spares.actor import WorkerActor
-from spares.pool import SparePool
-from recovery.base import FaultReport, WorldView
-from recovery.detection import (ActorDied, CollectiveError, KeeperLeaseExpired, NodeLost,
-                                StallDetector, classify)
-from runtime.context import DEFAULT_PLAN_TIMEOUT_S, WorkerContext
-from runtime.generation import GENERATION_KEY
-from runtime.membership_etcd import client_fields
-from runtime.tier_config import read_job_secret
-from runtime.session import FINISHED_PREFIX
-from runtime.shm import check_capacity, memory_plan, remove_stale, shm_prefix
+from phalanx.configs.errors import ConfigError, PhalanxError, PlanInfeasible
+from phalanx.configs.schema import PhalanxConfig
+from phalanx.runtime.worker.entrypoint import resolve_path
+from phalanx.launcher.keeper_actor import build_tiers, node_name
+from phalanx.launcher.coordination.commit_tracker import CommitTracker
+from phalanx.launcher.coordination.coordinator import RankSlot, RecoveryCoordinator
+from phalanx.launcher.drills.seam import JobDrills
+from phalanx.launcher.run_observer import RunObserver
+from phalanx.launcher.services.etcd_outage import EtcdOutage, outage_grace_s
+from phalanx.launcher.events import EventLog
+from phalanx.launcher.keeper_events import KEEPER_EVENTS_FINAL_WAIT_S, KeeperEvents
+from phalanx.launcher.coordination.keeper_restart import KeeperRestarts, start_keeper_actor
+from phalanx.launcher.coordination.monitor import Monitor, PollResult
+from phalanx.launcher.coordination.node_watch import NodeWatch
+from phalanx.launcher.progress import ProgressView
+from phalanx.launcher.services.ray_cluster import node_resource, raylet_addresses
+from phalanx.launcher.rundir import RunDir
+from phalanx.launcher.services.leadership import JobState, LeadershipLost, read_state
+from phalanx.launcher.coordination.takeover import (StatePublisher, adopt_keepers, adopt_workers,
+                                                    job_state, resume_coordinator)
+from phalanx.launcher.services.stack import Services, join_services, start_services
+from phalanx.spares.actor import WorkerActor
+from phalanx.spares.pool import SparePool
+from phalanx.recovery.base import FaultReport, WorldView
+from phalanx.recovery.detection import (ActorDied, CollectiveError, KeeperLeaseExpired, NodeLost,
+                                        StallDetector, classify)
+from phalanx.runtime.context import DEFAULT_PLAN_TIMEOUT_S, WorkerContext
+from phalanx.runtime.membership.generation import GENERATION_KEY
+from phalanx.runtime.membership.etcd import client_fields
+from phalanx.runtime.tiers.config import read_job_secret
+from phalanx.runtime.worker.session import FINISHED_PREFIX
+from phalanx.runtime.keeper.shm import check_capacity, memory_plan, remove_stale, shm_prefix
 
 REPLICA_KEEP = 2  # replica steps a keeper keeps per rank (Keeper's default)
 
@@ -85,7 +82,7 @@ class JobRunner:
         self._lifetime = {"lifetime": "detached"} if cfg.coordinator.standby else {}
         self._publisher: StatePublisher | None = None
         self._signals_at_start: list[ActorDied] = []
-        self.drill_services: dict[str, Any] = {}    # what a scenario's faults act through
+        self.drills: JobDrills | None = None         # only when the config turns drills on
         if standby and not cfg.coordinator.standby:
             raise ConfigError("coordinator.standby", "false, but --standby was given",
                               "set coordinator.standby: true in the job's config (leader and "
@@ -96,19 +93,15 @@ class JobRunner:
             return self._take_over()
         started = time.monotonic()
         self._check_memory()
-        self.scenario = load_scenario(self.cfg.drills.scenario) if self.cfg.drills.scenario \
-            else None
-        if self.scenario is not None:   # e.g. a proxy in front of S3 for an s3_outage
-            self.cfg, self.drill_services = prepare_job(
-                self.cfg, {spec.kind for spec in self.scenario.faults})
+        self.cfg, self.drills = JobDrills.open(self.cfg)
         self._check_tiers()
         run = RunDir.create(self.cfg)
         self.secret_hex = job_secret(self.cfg, run).hex()
         self.console.print(f"phalanx: run directory {run.path}")
         with contextlib.ExitStack() as stack:
             _install_sigterm(stack)
-            for service in self.drill_services.values():
-                stack.callback(service.close)
+            if self.drills is not None:
+                stack.callback(self.drills.close)
             services = start_services(self.cfg, run, stack)
             stack.callback(self._release_shared_memory)     # after the keepers closed
             run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
@@ -152,7 +145,7 @@ class JobRunner:
         """Wait until the job's leader is gone, then carry the job on from the state it
         published: the same workers, keepers and spares (found by name), a new TCPStore."""
         cfg = self.cfg
-        self.scenario = None      # drills are the leader's; faults it fired are history
+        self.drills = None        # drills are the leader's; faults it fired are history
         with contextlib.ExitStack() as stack:
             _install_sigterm(stack)
             self.console.print(f"phalanx: standing by for job {cfg.job.name}")
@@ -305,7 +298,7 @@ class JobRunner:
             snapshot_every=str(cfg.snapshot.every_steps),
             overhead_budget=cfg.snapshot.overhead_budget, checksum=cfg.snapshot.checksum,
             secret_hex=self.secret_hex, etcd_client=client_fields(cfg.etcd),
-            plan_timeout_s=plan_timeout_s(cfg),
+            plan_timeout_s=plan_timeout_s(cfg), drills=cfg.drills.active,
             extra={"restore": restore} if restore else {})
 
     def _new_actor(self, node: int, name: str) -> Any:
@@ -356,7 +349,8 @@ class JobRunner:
         monitor = Monitor(cfg.job.nodes, watch=self._node_watch(coordinator),
                           collective_grace_s=cfg.detection.collective_grace_s,
                           on_exception=cfg.recovery.on_worker_exception)
-        injector = self._injector(run, slots, coordinator)
+        injector = None if self.drills is None else self.drills.injector(
+            cfg, run.path, slots, coordinator, self.services, self._remove_node)
         observer = RunObserver(coordinator.events, lambda g: coordinator.holders_before.get(g, {}))
         factor = cfg.replication.factor if cfg.replication.enabled else 0
         commits = CommitTracker(self.services.membership, cfg.job.world_size, factor,
@@ -393,7 +387,8 @@ class JobRunner:
                 coordinator.check_resumed(members)
                 self._publish_state(run, slots, coordinator)
                 commits.poll()
-                injector.poll(members)
+                if injector is not None:
+                    injector.poll(members)
                 observer.poll(members, {slot.worker_id for slot in slots.values()})
                 if coordinator.pool is not None and coordinator.pending is None:
                     lost = coordinator.pool.check(coordinator.live_nodes)
@@ -406,7 +401,8 @@ class JobRunner:
                     raise JobTimeout(f"job {cfg.job.name} ran past job.timeout_s="
                                      f"{cfg.job.timeout_s}")
         finally:
-            injector.close()
+            if injector is not None:
+                injector.close()
             view.close()
             keeper_events.drain(coordinator.live_nodes, KEEPER_EVENTS_FINAL_WAIT_S)
         return {rank: results[rank] for rank in sorted(results)}
@@ -437,14 +433,6 @@ class JobRunner:
         """Workers that left membership on purpose (their entrypoint returned)."""
         return {kv.key.removeprefix(FINISHED_PREFIX)
                 for kv in self.services.membership.list_prefix(FINISHED_PREFIX)}
-
-    def _injector(self, run: RunDir, slots: dict[int, RankSlot],
-                  coordinator: RecoveryCoordinator) -> Injector:
-        """Fires the scenario's faults, and faults ``phalanx drill inject`` sends."""
-        deferred = Deferred()
-        env = JobFaultEnv(self.cfg, run.path, slots, coordinator, self.services,
-                          coordinator.pool, self._remove_node, deferred, self.drill_services)
-        return Injector(self.scenario, env, self.services.membership, deferred)
 
     def _remove_node(self, index: int) -> None:
         """A drill's node loss on the local Ray: the node's processes die at once, and its

@@ -12,16 +12,17 @@ from typing import Any
 
 import ray
 
-from configs.loader import load_config_text
-from configs.schema import PhalanxConfig
-from runtime.base import Tier
-from runtime.keeper import Keeper
-from runtime.keeper_fence import KeeperFence
-from runtime.keeper_reporter import KeeperReporter, keeper_member, report_from_keeper
-from runtime.membership_etcd import EtcdMembership, client_fields, client_options, job_prefix
-from runtime.persister import TierPersister
-from runtime.replication import Replicator
-from runtime.tier_config import open_tier
+from phalanx.configs.loader import load_config_text
+from phalanx.configs.schema import PhalanxConfig
+from phalanx.runtime.base import Tier
+from phalanx.runtime.node import node_keeper
+from phalanx.runtime.keeper.fence import KeeperFence
+from phalanx.runtime.keeper.reporter import KeeperReporter, keeper_member, report_from_keeper
+from phalanx.runtime.membership.etcd import (EtcdMembership, client_fields, client_options,
+                                             job_prefix)
+from phalanx.runtime.tiers.persister import TierPersister
+from phalanx.runtime.replication.pusher import Replicator
+from phalanx.runtime.tiers.config import open_tier
 
 log = logging.getLogger(__name__)
 EVENTS_KEPT = 200
@@ -57,11 +58,11 @@ class KeeperActor:
         self._lock = threading.Lock()
         self._fence = 0
         secret = bytes.fromhex(secret_hex)
-        self._keeper = Keeper(node, cfg.job.name, secret,
-                              shm_dir=cfg.snapshot.shm_dir, slots=cfg.snapshot.slots,
-                              bind_host=cfg.replication.bind_host,
-                              generation_check=lambda generation: generation >= self._fence,
-                              timeout_s=cfg.replication.timeout_s).start()
+        self._keeper = node_keeper(node, cfg.job.name, secret,
+                                   shm_dir=cfg.snapshot.shm_dir, slots=cfg.snapshot.slots,
+                                   bind_host=cfg.replication.bind_host,
+                                   generation_check=lambda generation: generation >= self._fence,
+                                   timeout_s=cfg.replication.timeout_s).start()
         self._replicator = None
         if cfg.replication.enabled and cfg.replication.factor > 0:
             self._replicator = Replicator(

@@ -8,8 +8,8 @@ from typing import Any
 import ray
 from rich.console import Console
 
-from launcher.events import EventLog
-from launcher.keeper_actor import node_name
+from phalanx.launcher.events import EventLog
+from phalanx.launcher.keeper_actor import node_name
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from runtime.base import MemberRecord
+from phalanx.runtime.base import MemberRecord
 
 
 @dataclass

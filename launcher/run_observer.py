@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Mapping
 
-from launcher.events import EventLog
-from runtime.base import MemberRecord
+from phalanx.launcher.events import EventLog
+from phalanx.runtime.base import MemberRecord
 
 PROGRESS_EVERY_S = 0.5
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from configs.errors import ConfigError
-from configs.loader import dump_config
-from configs.schema import PhalanxConfig
+from phalanx.configs.errors import ConfigError
+from phalanx.configs.loader import dump_config
+from phalanx.configs.schema import PhalanxConfig
 
 LATEST = "latest"
 

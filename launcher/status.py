@@ -10,12 +10,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from configs.errors import MembershipUnavailable
-from launcher.commit_tracker import read_reports
-from launcher.events import EVENTS_PREFIX
-from launcher.rundir import RunDir
-from runtime.commit import COMMIT_KEY, KeeperReport, committed_from
-from runtime.membership_etcd import EtcdMembership, client_options, job_prefix
+from phalanx.configs.errors import MembershipUnavailable
+from phalanx.launcher.coordination.commit_tracker import read_reports
+from phalanx.launcher.events import EVENTS_PREFIX
+from phalanx.launcher.rundir import RunDir
+from phalanx.runtime.commit import COMMIT_KEY, KeeperReport, committed_from
+from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
 
 EVENTS_SHOWN = 10
 

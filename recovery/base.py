@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from typing import Any, TypeAlias, TypeVar
 
-from configs.errors import FatalError
-from runtime.base import Generation, NodeId, Rank, SpareId, Step, WorkerId
+from phalanx.configs.errors import FatalError
+from phalanx.runtime.base import Generation, NodeId, Rank, SpareId, Step, WorkerId
 
 PLAN_FORMAT = 1
 # Persistent tiers in the order the recovery ladder tries them; other names sort after.
@@ -32,7 +32,7 @@ class InvalidTransition(FatalError):
 
     def __str__(self) -> str:
         return (f"phase {self.from_phase} -> {self.to_phase} is not allowed "
-                f"(reason given: {self.reason or '-'}); see recovery.phases.ALLOWED")
+                f"(reason given: {self.reason or '-'}); see phalanx.recovery.phases.ALLOWED")
 
 
 # --- faults -----------------------------------------------------------------------------

@@ -11,9 +11,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeAlias, TypeVar, assert_never
 
-from configs.schema import DetectionConfig
-from recovery.base import Corruption, FaultKind, FaultReport, WorldView
-from runtime.base import NodeId, Rank, Step, WorkerId
+from phalanx.configs.schema import DetectionConfig
+from phalanx.recovery.base import Corruption, FaultKind, FaultReport, WorldView
+from phalanx.runtime.base import NodeId, Rank, Step, WorkerId
 
 # --- signals: what the coordinator observed, before interpretation ------------------------
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from recovery.base import InvalidTransition
+from phalanx.recovery.base import InvalidTransition
 
 log = logging.getLogger(__name__)
 

@@ -25,14 +25,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from configs.schema import RecoveryConfig, SparesConfig
-from recovery.base import (
-    Abort, Action, FaultKind, FaultReport, PromoteSpare, RecoveryPlan, RepairFromPeer, ReplicaMap,
-    RestartWorker, RestoreFromKeeper, RestoreFromTier, Rollback, SpareInventory, TierInventory,
-    WaitForCapacity, WorldView,
-)
-from recovery.detection import root_cause
-from runtime.base import Generation, NodeId, Rank, SpareId, Step, WorkerId
+from phalanx.configs.schema import RecoveryConfig, SparesConfig
+from phalanx.recovery.base import (Abort, Action, FaultKind, FaultReport, PromoteSpare,
+                                   RecoveryPlan, RepairFromPeer, ReplicaMap, RestartWorker,
+                                   RestoreFromKeeper, RestoreFromTier, Rollback, SpareInventory,
+                                   TierInventory, WaitForCapacity, WorldView)
+from phalanx.recovery.detection import root_cause
+from phalanx.runtime.base import Generation, NodeId, Rank, SpareId, Step, WorkerId
 
 # Faults whose ranks lose their worker and need a replacement.
 LOSING_KINDS = frozenset({FaultKind.WORKER_DIED, FaultKind.NODE_DIED, FaultKind.PARTITIONED,

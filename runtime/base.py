@@ -1,6 +1,8 @@
 """Value types, identities and ports (protocols) shared by the runtime's adapters."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NewType, Protocol, runtime_checkable
 
@@ -42,6 +44,21 @@ class MemberRecord:
     generation: int = 0
     pid: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+MEMBERS = "members/"          # member records live under <job prefix>/members/<worker-id>
+
+
+def encode_member(member: MemberRecord) -> bytes:
+    """A member record as the JSON stored under ``members/<worker_id>`` (shared by adapters)."""
+    return json.dumps(dataclasses.asdict(member), sort_keys=True).encode()
+
+
+def decode_member(raw: bytes) -> MemberRecord:
+    """The inverse of ``encode_member``; fields unknown to this version are ignored."""
+    data = json.loads(raw)
+    known = {f.name for f in dataclasses.fields(MemberRecord)}
+    return MemberRecord(**{k: v for k, v in data.items() if k in known})
 
 
 @runtime_checkable

@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Mapping
 
-from configs.errors import ConfigError
+from phalanx.configs.errors import ConfigError
 
 ENV_KEY = "PHALANX_CONTEXT"
 
@@ -43,6 +43,7 @@ class WorkerContext:
     # etcd TLS files, user and password file (``membership_etcd.client_fields``)
     etcd_client: dict[str, str] = field(default_factory=dict)
     plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S   # how long a survivor waits for a plan
+    drills: bool = False               # install the drill hooks (``runtime.worker.drill_hooks``)
     extra: dict[str, object] = field(default_factory=dict)
 
     @property

@@ -1,4 +1,4 @@
 """The Ray-managed warm spare pool."""
-from configs.environment import apply_ray_environment
+from phalanx.configs.environment import apply_ray_environment
 
 apply_ray_environment()

@@ -11,8 +11,8 @@ from typing import Any
 
 import ray
 
-from configs.errors import WorkerFailed
-from runtime.entrypoint import load_entrypoint
+from phalanx.configs.errors import WorkerFailed
+from phalanx.runtime.worker.entrypoint import load_entrypoint
 
 log = logging.getLogger(__name__)
 

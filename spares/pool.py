@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import ray
 
-from spares.actor import WorkerActor
+from phalanx.spares.actor import WorkerActor
 
 log = logging.getLogger(__name__)
 HEALTH_EVERY_S = 1.0      # how often an idle spare is pinged

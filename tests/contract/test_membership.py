@@ -7,8 +7,8 @@ from typing import Callable
 
 import pytest
 
-from configs.errors import LeaseLost, MembershipUnavailable
-from runtime.base import Membership, MemberRecord, WatchEvent
+from phalanx.configs.errors import LeaseLost, MembershipUnavailable
+from phalanx.runtime.base import Membership, MemberRecord, WatchEvent
 from tests.plugins.etcd import MembershipFactory
 
 pytestmark = pytest.mark.contract

@@ -14,12 +14,12 @@ from typing import Any, Iterator
 import pytest
 from botocore.exceptions import ClientError
 
-from configs.errors import ConfigError, SnapshotNotFound, TierUnavailable
-from configs.schema import S3TierConfig
-from runtime.base import Tier
-from runtime.tier_disk import DiskTier
-from runtime.tier_memory import MemoryTier
-from runtime.tier_s3 import MIN_PART_SIZE, S3Tier
+from phalanx.configs.errors import ConfigError, SnapshotNotFound, TierUnavailable
+from phalanx.configs.schema import S3TierConfig
+from phalanx.runtime.base import Tier
+from phalanx.runtime.tiers.disk import DiskTier
+from tests.fakes.tier_memory import MemoryTier
+from phalanx.runtime.tiers.s3 import MIN_PART_SIZE, S3Tier
 from tests.plugins.s3 import SECRET_ACCESS_KEY
 
 pytestmark = pytest.mark.contract

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from configs.loader import load_config
+from phalanx.configs.loader import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 HASH_RE = re.compile(r"rank (\d+) final parameter hash ([0-9a-f]{64})")
@@ -29,7 +29,7 @@ class LaunchResult:
 
 
 def phalanx_command(config: str, *overrides: str, run_root: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "launcher.cli", "launch", str(ROOT / config),
+    cmd = [sys.executable, "-m", "phalanx.launcher.cli", "launch", str(ROOT / config),
            "--set", f"job.run_dir={run_root}"]
     for item in overrides:
         cmd += ["--set", item]

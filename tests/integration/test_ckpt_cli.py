@@ -15,12 +15,13 @@ from rich.console import Console
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from configs.schema import S3TierConfig
-from launcher.ckpt_commands import add_ckpt_parser, run_ckpt
-from runtime.base import Tier
-from runtime.snapshot_format import Manifest, checksums, make_manifest, plan_layout, write_into
-from runtime.tier_disk import DiskTier
-from runtime.tier_s3 import MIN_PART_SIZE, S3Tier
+from phalanx.configs.schema import S3TierConfig
+from phalanx.launcher.ckpt_commands import add_ckpt_parser, run_ckpt
+from phalanx.runtime.base import Tier
+from phalanx.runtime.snapshot.format import (Manifest, checksums, make_manifest, plan_layout,
+                                             write_into)
+from phalanx.runtime.tiers.disk import DiskTier
+from phalanx.runtime.tiers.s3 import MIN_PART_SIZE, S3Tier
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.collective import Collective, CollectiveAborted
+from phalanx.runtime.group.collective import Collective, CollectiveAborted
 
 
 @pytest.fixture

@@ -16,16 +16,16 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from configs.errors import SnapshotCorrupt, SnapshotNotFound, SnapshotUnauthenticated
-from configs.schema import S3TierConfig
-from runtime.base import Tier
-from runtime.dcp_metadata import metadata_from_json, metadata_to_json
-from runtime.dcp_storage import TieredStorageReader, TieredStorageWriter
-from runtime.snapshot_format import Manifest, read_tensors
-from runtime.state_tree import unflatten_state
-from runtime.tier_disk import DiskTier
-from runtime.tier_memory import MemoryTier
-from runtime.tier_s3 import MIN_PART_SIZE, S3Tier
+from phalanx.configs.errors import SnapshotCorrupt, SnapshotNotFound, SnapshotUnauthenticated
+from phalanx.configs.schema import S3TierConfig
+from phalanx.runtime.base import Tier
+from phalanx.runtime.dcp.metadata import metadata_from_json, metadata_to_json
+from phalanx.runtime.dcp.storage import TieredStorageReader, TieredStorageWriter
+from phalanx.runtime.snapshot.format import Manifest, read_tensors
+from phalanx.runtime.snapshot.state_tree import unflatten_state
+from phalanx.runtime.tiers.disk import DiskTier
+from tests.fakes.tier_memory import MemoryTier
+from phalanx.runtime.tiers.s3 import MIN_PART_SIZE, S3Tier
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -242,8 +242,8 @@ import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from runtime.dcp_storage import TieredStorageReader, TieredStorageWriter
-from runtime.tier_disk import DiskTier
+from phalanx.runtime.dcp.storage import TieredStorageReader, TieredStorageWriter
+from phalanx.runtime.tiers.disk import DiskTier
 from tests.integration.test_dcp_storage import (JOB, SECRET, _assert_identical, _model_and_optim,
                                                _train)
 
@@ -343,7 +343,7 @@ def test_from_config_writes_where_the_job_and_phalanx_ckpt_look(tmp_path: Path) 
         lambda s: dcp.load(s, storage_reader=TieredStorageReader.from_config(str(config), 5)))
     assert loaded["epoch"] == 3
     _assert_identical((model, optim), (model2, optim2))
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "ckpt", "verify", "--config",
+    proc = subprocess.run([sys.executable, "-m", "phalanx.launcher.cli", "ckpt", "verify", "--config",
                            str(config), "--tier", "disk"], capture_output=True, text=True,
                           timeout=60, cwd=Path(__file__).resolve().parents[2])
     text = proc.stdout + proc.stderr
@@ -351,8 +351,8 @@ def test_from_config_writes_where_the_job_and_phalanx_ckpt_look(tmp_path: Path) 
 
 
 def test_from_config_without_a_disk_path_says_what_to_set(tmp_path: Path) -> None:
-    from configs.errors import ConfigError
-    from configs.loader import load_config_text
+    from phalanx.configs.errors import ConfigError
+    from phalanx.configs.loader import load_config_text
 
     cfg = load_config_text(f"job: {{name: {JOB}, entrypoint: 'train.py:main'}}\n")
     with pytest.raises(ConfigError) as info:

@@ -16,10 +16,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from configs.errors import SnapshotNotFound
-from launcher.ckpt_commands import add_ckpt_parser, run_ckpt
-from runtime.snapshot_format import checksums, make_manifest, plan_layout, write_into
-from runtime.tier_disk import DiskTier
+from phalanx.configs.errors import SnapshotNotFound
+from phalanx.launcher.ckpt_commands import add_ckpt_parser, run_ckpt
+from phalanx.runtime.snapshot.format import checksums, make_manifest, plan_layout, write_into
+from phalanx.runtime.tiers.disk import DiskTier
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ LARGE = 8 * CHUNK
 WRITER = """
 import os, sys, time
 from pathlib import Path
-from runtime.tier_disk import DiskTier
+from phalanx.runtime.tiers.disk import DiskTier
 
 root, large = Path(sys.argv[1]), int(sys.argv[2])
 real_write = os.write

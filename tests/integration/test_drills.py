@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from configs.loader import load_config
-from launcher.drill_commands import computation_key
+from phalanx.configs.loader import load_config
+from phalanx.launcher.drills.commands import computation_key
 from tests.integration.launching import ROOT, phalanx_command
 from tests.integration.test_recovery import worker_pids
 from tests.plugins.leaks import Footprint, assert_nothing_left
@@ -32,7 +32,7 @@ def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def drill(*args: str, run_root: Path, timeout_s: float = 420) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "launcher.cli", "drill", *args,
+    cmd = [sys.executable, "-m", "phalanx.launcher.cli", "drill", *args,
            "--set", f"job.run_dir={run_root}", "--set", "job.name=drill"]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
                           env=ENV)
@@ -199,14 +199,14 @@ def test_a_broken_expectation_fails_with_a_clear_line(run_root: Path, tmp_path: 
 
 @pytest.mark.timeout(600)
 def test_inject_into_a_running_job_through_etcd(run_root: Path) -> None:
-    job = ("job.name=inject", "job.args.steps=100")
+    job = ("job.name=inject", "job.args.steps=100", "drills.enabled=true")
     cmd = phalanx_command("configs/demo.yaml", *job, run_root=run_root)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=ENV)
     try:
         run_dir = _wait_training(run_root, "inject")
         result = subprocess.run(
-            [sys.executable, "-m", "launcher.cli", "drill", "inject", "kill_worker",
+            [sys.executable, "-m", "phalanx.launcher.cli", "drill", "inject", "kill_worker",
              "--job", str(run_dir), "--rank", "2"], cwd=ROOT, capture_output=True, text=True,
             timeout=60, env=ENV)
         assert result.returncode == 0, result.stderr

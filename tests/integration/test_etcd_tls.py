@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from configs.errors import MembershipUnavailable
-from configs.schema import EtcdConfig, EtcdTLSConfig, JobConfig, PhalanxConfig
-from launcher.etcd_server import EmbeddedEtcd, ServerTLS, etcd_healthy
-from launcher.services import embedded_tls
-from runtime.membership_etcd import EtcdMembership, client_fields, client_options
+from phalanx.configs.errors import MembershipUnavailable
+from phalanx.configs.schema import EtcdConfig, EtcdTLSConfig, JobConfig, PhalanxConfig
+from phalanx.launcher.services.etcd_server import EmbeddedEtcd, ServerTLS, etcd_healthy
+from phalanx.launcher.services.stack import embedded_tls
+from phalanx.runtime.membership.etcd import EtcdMembership, client_fields, client_options
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
@@ -167,7 +167,7 @@ def test_a_job_runs_on_a_tls_etcd_and_writes_its_secret_nowhere_else(tmp_path: P
         f"job: {{name: tlsjob, entrypoint: '{tmp_path / 'train_tls.py'}:main', world_size: 2, "
         f"nodes: 2, run_dir: '{tmp_path / 'runs'}', timeout_s: 200}}\n"
         f"etcd: {{tls: {json.dumps(pki)}}}\nspares: {{count: 0}}\n")
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "launch", str(config)],
+    proc = subprocess.run([sys.executable, "-m", "phalanx.launcher.cli", "launch", str(config)],
                           cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from configs.errors import ConfigError, SnapshotNotFound, StaleGeneration
-from runtime.keeper import (Keeper, KeeperClient, KeeperRequestInvalid, SlotBusy,
-                            check_capacity, memory_plan, owned_names)
-from runtime.transport import PeerRefused
+from phalanx.configs.errors import ConfigError, SnapshotNotFound, StaleGeneration
+from phalanx.runtime.keeper.daemon import (Keeper, KeeperClient, KeeperRequestInvalid, SlotBusy,
+                                           check_capacity, memory_plan, owned_names)
+from phalanx.runtime.transport.tcp import PeerRefused
 
 SECRET = b"keeper-test-secret-0123456789abc"
 SHM = "/dev/shm"
@@ -27,7 +27,7 @@ _names = itertools.count()
 
 WORKER = r"""
 import json, mmap, os, sys, time
-from runtime.keeper import KeeperClient
+from phalanx.runtime.keeper.daemon import KeeperClient
 host, port, job, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3], bytes.fromhex(sys.argv[4])
 n = int(sys.argv[5])
 pattern = lambda step: step.to_bytes(8, "little") * (n // 8)
@@ -217,7 +217,7 @@ def test_keeper_process_writes_port_and_exits_clean_on_sigterm(tmp_path):
     stale.write_bytes(b"left by a killed keeper")
     (tmp_path / "secret").write_bytes(SECRET + b"\n")
     port_file = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.keeper", "--node", "n1", "--job", job,
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx.runtime.node", "--node", "n1", "--job", job,
                              "--secret-file", str(tmp_path / "secret"), "--port-file",
                              str(port_file)], cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:

@@ -12,11 +12,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from configs.errors import ConfigError
-from configs.loader import load_config
-from configs.schema import S3TierConfig
-from runtime.keeper import Keeper, KeeperClient, owned_names
-from runtime.shm import ShmBuffer, mem_available
+from phalanx.configs.errors import ConfigError
+from phalanx.configs.loader import load_config
+from phalanx.configs.schema import S3TierConfig
+from phalanx.runtime.keeper.daemon import Keeper, KeeperClient, owned_names
+from phalanx.runtime.keeper.shm import ShmBuffer, mem_available
 from tests.integration.launching import ROOT, launch
 from tests.plugins.leaks import Footprint, assert_nothing_left
 from tests.plugins.s3 import make_client
@@ -130,7 +130,7 @@ def test_missing_bucket_refuses_launch_before_any_worker(s3_config: S3TierConfig
 @pytest.mark.timeout(60)
 def test_launch_check_of_a_good_bucket_leaves_no_probe(s3_config: S3TierConfig,
                                                        tmp_path: Path) -> None:
-    from launcher.job import JobRunner  # imports Ray: only in the tests that need it
+    from phalanx.launcher.job import JobRunner  # imports Ray: only in the tests that need it
 
     cfg = load_config(str(ROOT / "configs/demo.yaml"),
                       [f"job.run_dir={tmp_path}", *_s3_overrides(s3_config, s3_config.bucket)])

@@ -11,11 +11,11 @@ from typing import Iterator
 
 import pytest
 
-from configs.errors import ConfigError
-from configs.schema import JobConfig, PhalanxConfig, S3TierConfig, TiersConfig
-from launcher.faults_network import prepare_job
-from launcher.local_s3 import DUMMY_CREDENTIALS, LocalS3, start_local_s3
-from runtime.tier_s3 import S3Tier
+from phalanx.configs.errors import ConfigError
+from phalanx.configs.schema import JobConfig, PhalanxConfig, S3TierConfig, TiersConfig
+from phalanx.launcher.drills.faults.network import prepare_job
+from phalanx.launcher.drills.local_s3 import DUMMY_CREDENTIALS, LocalS3, start_local_s3
+from phalanx.runtime.tiers.s3 import S3Tier
 from tests.integration.test_persister import Node, _wait
 from tests.plugins.s3 import set_dummy_credentials
 

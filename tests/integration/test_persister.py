@@ -15,16 +15,16 @@ import pytest
 import safetensors.torch
 import torch
 
-from configs.errors import SnapshotNotFound
-from configs.schema import S3TierConfig
-from runtime.base import Tier
-from runtime.keeper import Keeper, KeeperClient, owned_names
-from runtime.persister import TierPersister
-from runtime.snapshot_format import (Manifest, checksums, make_manifest, plan_layout,
-                                     read_tensors, write_into)
-from runtime.tier_disk import DiskTier
-from runtime.tier_memory import MemoryTier
-from runtime.tier_s3 import S3Tier
+from phalanx.configs.errors import SnapshotNotFound
+from phalanx.configs.schema import S3TierConfig
+from phalanx.runtime.base import Tier
+from phalanx.runtime.keeper.daemon import Keeper, KeeperClient, owned_names
+from phalanx.runtime.tiers.persister import TierPersister
+from phalanx.runtime.snapshot.format import (Manifest, checksums, make_manifest, plan_layout,
+                                             read_tensors, write_into)
+from phalanx.runtime.tiers.disk import DiskTier
+from tests.fakes.tier_memory import MemoryTier
+from phalanx.runtime.tiers.s3 import S3Tier
 
 SECRET = b"persister-test-secret-0123456789"
 SHM = "/dev/shm"

@@ -65,7 +65,7 @@ def test_spares_on_dedicated_nodes_without_replenishing(tmp_path: Path,
                                                         fault_free: Reference) -> None:
     """spares.placement: nodes keeps the spare on node 0, so rank 1 (node 1) moves there;
     spares.replenish: false starts no replacement after the promotion."""
-    cmd = [sys.executable, "-m", "launcher.cli", "-v", "launch", str(ROOT / "configs/demo.yaml")]
+    cmd = [sys.executable, "-m", "phalanx.launcher.cli", "-v", "launch", str(ROOT / "configs/demo.yaml")]
     for item in (*JOB, f"job.run_dir={tmp_path}", "spares.count=1", "spares.placement=nodes",
                  "spares.nodes=[0]", "spares.replenish=false",
                  "drills.scenario=configs/drills/kill_worker.yaml"):

@@ -12,11 +12,12 @@ from typing import Iterator
 
 import pytest
 
-from launcher.link_proxy import LinkProxy
-from runtime import replica_wire
-from runtime.keeper import Keeper, KeeperClient, owned_names
-from runtime.replication import Replicator
-from runtime.snapshot_format import Manifest, read_tensors
+from phalanx.launcher.drills.link_proxy import LinkProxy
+from phalanx.runtime.replication import wire as replica_wire
+from phalanx.runtime.node import node_keeper
+from phalanx.runtime.keeper.daemon import KeeperClient, owned_names
+from phalanx.runtime.replication.pusher import Replicator
+from phalanx.runtime.snapshot.format import Manifest, read_tensors
 from tests.integration.test_replication import SECRET, SHM, _Events, _tensors, _wait, _Worker
 
 pytestmark = pytest.mark.integration
@@ -31,7 +32,7 @@ def link() -> Iterator[dict]:
     """Keepers a and b, b behind a LinkProxy, and a Replicator on a pushing rank 0 to b
     through it; checks that nothing (shm files, threads) is left behind."""
     job = f"rc{os.getpid()}-{next(_names)}"
-    keepers = {node: Keeper(node, job, SECRET, SHM, slots=2, timeout_s=2.0).start()
+    keepers = {node: node_keeper(node, job, SECRET, SHM, slots=2, timeout_s=2.0).start()
                for node in "ab"}
     proxy = LinkProxy(keepers["b"].address, name="rc").start()
     worker = _Worker(keepers["a"], 0, _tensors(21, SIZES))
@@ -109,7 +110,7 @@ def _refused_then_stored(ctx: dict, step: int, payload: bytes, caplog) -> dict:
 
 @pytest.mark.timeout(60)
 def test_corrupted_chunk_is_refused_and_the_next_push_verifies(link, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="runtime.replica_receiver")
+    caplog.set_level(logging.WARNING, logger="phalanx.runtime.replication.receiver")
     _assert_verifies(link, 1, _stored_after(link, 1))
     header, manifest = _frame_layout(link, 1)
     link["proxy"].corrupt(1, skip_bytes=header + manifest + CHUNK + 100, bit=3)
@@ -125,7 +126,7 @@ def test_corrupted_chunk_is_refused_and_the_next_push_verifies(link, caplog) -> 
 def test_corrupted_header_or_manifest_is_refused(link, caplog, region: str) -> None:
     """A flip that keeps the header valid JSON (rank 0 -> 1, step 2 -> 3) or damages the
     signed manifest: only the push's check notices it before the replica is stored."""
-    caplog.set_level(logging.WARNING, logger="runtime.replica_receiver")
+    caplog.set_level(logging.WARNING, logger="phalanx.runtime.replication.receiver")
     _stored_after(link, 1)
     header, manifest = _frame_layout(link, 1)
     offsets = {"rank": 4 + len('{"op":"replica_push","rank":'),

@@ -1,6 +1,6 @@
 """Replication between three in-process keepers over real TCP and real /dev/shm: a ring
 of holders, dedup of identical tensors, a chunk corrupted in flight, a slow and a frozen
-holder, and generation fencing. Snapshots are real (runtime.snapshot_format)."""
+holder, and generation fencing. Snapshots are real (phalanx.runtime.snapshot.format)."""
 from __future__ import annotations
 
 import itertools
@@ -14,11 +14,12 @@ from typing import Callable
 import pytest
 import torch
 
-from runtime import replica_receiver, replica_wire
-from runtime.keeper import Keeper, KeeperClient, SlotBusy, owned_names
-from runtime.replication import Replicator
-from runtime.snapshot_format import (Manifest, checksums, make_manifest, plan_layout,
-                                     read_tensors, write_into)
+from phalanx.runtime.replication import receiver as replica_receiver, wire as replica_wire
+from phalanx.runtime.node import node_keeper
+from phalanx.runtime.keeper.daemon import Keeper, KeeperClient, SlotBusy, owned_names
+from phalanx.runtime.replication.pusher import Replicator
+from phalanx.runtime.snapshot.format import (Manifest, checksums, make_manifest, plan_layout,
+                                             read_tensors, write_into)
 
 SECRET = b"replication-test-secret-0123456789"
 SHM = "/dev/shm"
@@ -101,7 +102,7 @@ def keepers(fence):
     started = {}
     try:
         for node in "abc":
-            started[node] = Keeper(node, job, SECRET, SHM, slots=2, claim_wait_s=5.0,
+            started[node] = node_keeper(node, job, SECRET, SHM, slots=2, claim_wait_s=5.0,
                                    generation_check=lambda g: g >= fence["generation"]).start()
         yield started
     finally:

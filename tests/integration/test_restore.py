@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs.errors import SnapshotNotFound
-from runtime.keeper import Keeper
-from runtime.keeper_wire import KeeperClient
-from runtime.rejoin import restore_rank
-from runtime.snapshot_format import checksums, make_manifest, plan_layout, write_into
-from runtime.state_tree import flatten_state
-from runtime.tier_disk import DiskTier
+from phalanx.configs.errors import SnapshotNotFound
+from phalanx.runtime.keeper.daemon import Keeper
+from phalanx.runtime.keeper.wire import KeeperClient
+from phalanx.runtime.worker.rejoin import restore_rank
+from phalanx.runtime.snapshot.format import checksums, make_manifest, plan_layout, write_into
+from phalanx.runtime.snapshot.state_tree import flatten_state
+from phalanx.runtime.tiers.disk import DiskTier
 
 pytestmark = pytest.mark.integration
 
@@ -138,8 +138,8 @@ def _planted(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
 ])
 def test_a_planted_s3_object_is_refused_and_restore_falls_to_the_next_tier(
         s3_config, tmp_path: Path, how: str, error: str, detail: str) -> None:
-    from runtime.restore import TierSource, restore
-    from runtime.tier_s3 import S3Tier
+    from phalanx.runtime.snapshot.restore import TierSource, restore
+    from phalanx.runtime.tiers.s3 import S3Tier
 
     secret, job = secrets.token_bytes(32), f"planted{secrets.token_hex(3)}"
     model, optimizer = trained()

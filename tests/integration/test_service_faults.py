@@ -14,13 +14,13 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from configs.errors import MembershipUnavailable
-from launcher.etcd_server import EmbeddedEtcd, etcd_healthy
-from launcher.faults import FaultSpec, catalogue
-from runtime.base import MemberRecord, WatchEvent
-from runtime.commit import KeeperReport
-from runtime.keeper_reporter import KeeperReporter, keeper_member
-from runtime.membership_etcd import EtcdMembership, job_prefix
+from phalanx.configs.errors import MembershipUnavailable
+from phalanx.launcher.services.etcd_server import EmbeddedEtcd, etcd_healthy
+from phalanx.launcher.drills.catalogue import FaultSpec, catalogue
+from phalanx.runtime.base import MemberRecord, WatchEvent
+from phalanx.runtime.commit import KeeperReport
+from phalanx.runtime.keeper.reporter import KeeperReporter, keeper_member
+from phalanx.runtime.membership.etcd import EtcdMembership, job_prefix
 
 pytestmark = pytest.mark.integration
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.context import WorkerContext
-from runtime.keeper import Keeper
-from runtime.keeper_wire import KeeperClient
-from runtime.snapshot_format import Manifest, read_tensors
-from runtime.state_tree import apply_state
+from phalanx.runtime.context import WorkerContext
+from phalanx.runtime.keeper.daemon import Keeper
+from phalanx.runtime.keeper.wire import KeeperClient
+from phalanx.runtime.snapshot.format import Manifest, read_tensors
+from phalanx.runtime.snapshot.state_tree import apply_state
 from tests.integration.jobs.train_forever import build, train_step
 
 pytestmark = pytest.mark.integration
@@ -65,7 +65,7 @@ def test_keeper_serves_last_step_after_worker_sigkill() -> None:
         for s in range(step):
             train_step(model, optimizer, scheduler, s)
         fresh_model, fresh_opt, fresh_sched = build(seed=1)
-        from runtime.session import _Progress
+        from phalanx.runtime.worker.session import _Progress
         progress = _Progress()
         apply_state({"__phalanx__": progress, "model": fresh_model, "optimizer": fresh_opt,
                      "scheduler": fresh_sched}, tensors, manifest.tree_spec)

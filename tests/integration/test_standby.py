@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from runtime.membership_etcd import EtcdMembership, job_prefix
+from phalanx.runtime.membership.etcd import EtcdMembership, job_prefix
 from tests.integration.launching import (ROOT, LaunchResult, Reference, gloo_reference,
                                          phalanx_command)
 from tests.integration.test_recovery import worker_pids
@@ -30,7 +30,7 @@ NAME = "standbyjob"
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
     """A Ray cluster of its own process, as an operator's would be."""
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.ray_cluster", "--nodes", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx.launcher.services.ray_cluster", "--nodes", "2",
                              "--cpus-per-node", "4"], cwd=ROOT, stdout=subprocess.PIPE,
                             text=True)
     assert proc.stdout is not None

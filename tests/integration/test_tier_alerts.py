@@ -15,11 +15,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from configs.schema import S3TierConfig
-from launcher.events import EventLog
-from launcher.rundir import RunDir
-from launcher.status import show_status
-from runtime.membership_etcd import EtcdMembership, job_prefix
+from phalanx.configs.schema import S3TierConfig
+from phalanx.launcher.events import EventLog
+from phalanx.launcher.rundir import RunDir
+from phalanx.launcher.status import show_status
+from phalanx.runtime.membership.etcd import EtcdMembership, job_prefix
 from tests.integration.launching import HASH_RE, ROOT, phalanx_command
 from tests.integration.test_launch import reference_hash
 from tests.plugins.leaks import Footprint, assert_nothing_left

@@ -20,10 +20,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from launcher.etcd_server import EmbeddedEtcd, etcd_healthy
-from runtime.base import Membership
-from runtime.membership_etcd import EtcdMembership
-from runtime.membership_memory import InMemoryMembership, InMemoryStore
+from phalanx.launcher.services.etcd_server import EmbeddedEtcd, etcd_healthy
+from phalanx.runtime.base import Membership
+from phalanx.runtime.membership.etcd import EtcdMembership
+from tests.fakes.membership_memory import InMemoryMembership, InMemoryStore
 
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 _MEMORY_STEP_S = 0.1

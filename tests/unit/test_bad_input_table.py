@@ -4,7 +4,7 @@ message and the fix. README.md's "Error reference" is rendered from this table a
 keeps the two identical: print it with ``.venv/bin/python -m tests.unit.test_bad_input_table``.
 
 Config errors must name the file, the key, the value and a fix; command-line cases run
-``launcher.cli.main`` (no job is launched) and check the exit code and stderr.
+``phalanx.launcher.cli.main`` (no job is launched) and check the exit code and stderr.
 """
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from configs.errors import (ConfigError, PeerUnreachable, SnapshotCorrupt, SnapshotNotFound,
-                            SnapshotUnauthenticated)
-from configs.loader import load_config
-from configs.schema import JobConfig, PhalanxConfig, SecurityConfig
-from runtime.frames import (FrameInvalid, PeerRefused, client_handshake, recv_header,
-                            server_handshake)
-from runtime.snapshot_format import (Manifest, make_manifest, parse_header, plan_layout,
-                                     verify_snapshot, write_checksummed)
-from runtime.tier_config import read_job_secret
+from phalanx.configs.errors import (ConfigError, PeerUnreachable, SnapshotCorrupt, SnapshotNotFound,
+                                    SnapshotUnauthenticated)
+from phalanx.configs.loader import load_config
+from phalanx.configs.schema import JobConfig, PhalanxConfig, SecurityConfig
+from phalanx.runtime.transport.frames import (FrameInvalid, PeerRefused, client_handshake,
+                                              recv_header, server_handshake)
+from phalanx.runtime.snapshot.format import (Manifest, make_manifest, parse_header, plan_layout,
+                                             verify_snapshot, write_checksummed)
+from phalanx.runtime.tiers.config import read_job_secret
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -76,7 +76,7 @@ def _config(text: str, *overrides: str) -> Callable[[Env], Any]:
 
 def _cli(*argv: str, config: str | None = None) -> Callable[[Env], Any]:
     def run(env: Env) -> int:
-        from launcher.cli import main
+        from phalanx.launcher.cli import main
         args = [a.replace("{cfg}", str(env.yaml(config or ENTRY))).replace("{tmp}", str(env.tmp))
                 for a in argv]
         try:
@@ -161,7 +161,7 @@ def _s3(planted: Callable[[], tuple[bytes, bytes]] | None, step: int = 7) -> Cal
     """Write ``planted()`` (payload, manifest) as rank 3 step 7 of a real (moto) S3 tier,
     then read and verify it the way restore does."""
     def run(env: Env) -> Any:
-        from runtime.tier_s3 import S3Tier
+        from phalanx.runtime.tiers.s3 import S3Tier
         tier = S3Tier(env.request.getfixturevalue("s3_config"), JOB)
         if planted is not None:
             tier.write_rank(7, 3, *planted())

@@ -14,15 +14,15 @@ import torch
 import xxhash
 from hypothesis import given, settings, strategies as st
 
-from runtime import fused_copy
-from runtime.checksum import (LEAF_BYTES, DigestJob, Span, _units, check_algo, digest_spans, finish,
-                             helpers)
-from runtime.snapshot_format import (checksums, landing_job, plan_layout, start_write,
-                                     write_checksummed, write_into, write_job)
+from phalanx.runtime.snapshot import fused_copy
+from phalanx.runtime.snapshot.checksum import (LEAF_BYTES, DigestJob, Span, _units, check_algo,
+                                               digest_spans, finish, helpers)
+from phalanx.runtime.snapshot.format import (checksums, landing_job, plan_layout, start_write,
+                                             write_checksummed, write_into, write_job)
 
 
 def reference(data: bytes, algo: str) -> str:
-    """The documented definitions, written out independently of runtime.checksum."""
+    """The documented definitions, written out independently of phalanx.runtime.snapshot.checksum."""
     if algo == "sha256":
         return "sha256:" + hashlib.sha256(data).hexdigest()
     if algo == "blake3":
@@ -62,7 +62,7 @@ def state() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(params=["native", "python"])
 def copier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The fused copy's two paths: the native kernel (runtime/fused_copy.c) and the
+    """The fused copy's two paths: the native kernel (runtime/snapshot/fused_copy.c) and the
     pure-Python loop that replaces it where no C compiler is available."""
     if request.param == "python":
         monkeypatch.setattr(fused_copy, "kernel", lambda: None)

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.commit import (COMMIT_KEY, KeeperReport, commit_value, committed_from,
-                            committed_step, holders_of)
-from runtime.keeper_reporter import KeeperReporter, keeper_member
-from runtime.membership_memory import InMemoryMembership, InMemoryStore
+from phalanx.runtime.commit import (COMMIT_KEY, KeeperReport, commit_value, committed_from,
+                                    committed_step, holders_of)
+from phalanx.runtime.keeper.reporter import KeeperReporter, keeper_member
+from tests.fakes.membership_memory import InMemoryMembership, InMemoryStore
 
 pytestmark = pytest.mark.unit
 

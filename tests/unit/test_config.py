@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from configs.errors import ConfigError
-from configs.introspect import walk_leaves
-from configs.loader import dump_config, load_config
-from configs.reference import render_reference
-from configs.schema import JobConfig, PhalanxConfig
+from phalanx.configs.errors import ConfigError
+from phalanx.configs.introspect import walk_leaves
+from phalanx.configs.loader import dump_config, load_config
+from phalanx.configs.reference import render_reference
+from phalanx.configs.schema import JobConfig, PhalanxConfig
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -285,6 +285,6 @@ def test_reference_lists_every_leaf_field() -> None:
 
 
 def test_reference_module_prints_the_reference() -> None:
-    result = subprocess.run([sys.executable, "-m", "configs.reference"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "phalanx.configs.reference"], capture_output=True,
                             text=True, timeout=20, check=True)
     assert result.stdout == render_reference()

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from configs.errors import PlanInfeasible
-from configs.loader import load_config
-from launcher.coordinator import RankSlot, RecoveryCoordinator
-from launcher.events import EventLog, read_events
-from recovery.base import FaultKind, FaultReport
-from recovery.phases import Phase
-from runtime.keeper_reporter import report_from_keeper
-from runtime.membership_memory import InMemoryMembership
+from phalanx.configs.errors import PlanInfeasible
+from phalanx.configs.loader import load_config
+from phalanx.launcher.coordination.coordinator import RankSlot, RecoveryCoordinator
+from phalanx.launcher.events import EventLog, read_events
+from phalanx.recovery.base import FaultKind, FaultReport
+from phalanx.recovery.phases import Phase
+from phalanx.runtime.keeper.reporter import report_from_keeper
+from tests.fakes.membership_memory import InMemoryMembership
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from configs.schema import DetectionConfig
-from recovery.base import FaultKind, FaultReport, WorldView
-from recovery.detection import (
-    ActorDied, CollectiveError, KeeperLeaseExpired, LeaseLost, NodeLost, Progress,
-    StallDetector, WorkerRaised, classify, root_cause,
-)
-from runtime.base import Generation, NodeId, Rank, Step, WorkerId
+from phalanx.configs.schema import DetectionConfig
+from phalanx.recovery.base import FaultKind, FaultReport, WorldView
+from phalanx.recovery.detection import (ActorDied, CollectiveError, KeeperLeaseExpired, LeaseLost,
+                                        NodeLost, Progress, StallDetector, WorkerRaised, classify,
+                                        root_cause)
+from phalanx.runtime.base import Generation, NodeId, Rank, Step, WorkerId
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

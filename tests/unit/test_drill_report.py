@@ -12,11 +12,11 @@ from typing import Any, Mapping
 
 import pytest
 
-from launcher.drill_plot import phase_spans
-from launcher.drill_report import (JSON_NAME, MD_NAME, PNG_NAME, RunOutcome, build_report,
-                                   console_rows, write_report)
-from launcher.events import read_events
-from launcher.faults import FaultSpec
+from phalanx.launcher.drills.plot import phase_spans
+from phalanx.launcher.drills.report import (JSON_NAME, MD_NAME, PNG_NAME, RunOutcome, build_report,
+                                            console_rows, write_report)
+from phalanx.launcher.events import read_events
+from phalanx.launcher.drills.catalogue import FaultSpec
 
 pytestmark = pytest.mark.unit
 DEMO = Path(__file__).parent / "data" / "drill_demo_events.jsonl"
@@ -26,7 +26,7 @@ T0 = 1_000.0
 
 @dataclass(frozen=True)
 class _Scenario:
-    """What the report reads of ``launcher.drills.Scenario``."""
+    """What the report reads of ``phalanx.launcher.drills.scenario.Scenario``."""
 
     name: str
     faults: tuple[FaultSpec, ...]

@@ -8,14 +8,14 @@ from typing import Any, Callable
 
 import pytest
 
-from configs.errors import ConfigError
-from configs.loader import load_config
-from launcher.chaos import chaos_scenario, draw_faults
-from launcher.drills import load_scenario, parse_scenario, probability_step
-from launcher.faults import FaultSpec, catalogue
-from launcher.injector import INJECT_PREFIX, Deferred, Injector
-from runtime.base import MemberRecord
-from runtime.membership_memory import InMemoryMembership as MemoryMembership
+from phalanx.configs.errors import ConfigError
+from phalanx.configs.loader import load_config
+from phalanx.launcher.drills.chaos import chaos_scenario, draw_faults
+from phalanx.launcher.drills.scenario import load_scenario, parse_scenario, probability_step
+from phalanx.launcher.drills.catalogue import FaultSpec, catalogue
+from phalanx.launcher.drills.injector import INJECT_PREFIX, Deferred, Injector
+from phalanx.runtime.base import MemberRecord
+from tests.fakes.membership_memory import InMemoryMembership as MemoryMembership
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,7 +112,7 @@ class FakeEnv:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEnv:
     env = FakeEnv()
-    import launcher.faults_process as process
+    import phalanx.launcher.drills.faults.process as process
 
     monkeypatch.setattr(process.os, "kill", lambda pid, sig: env.signals.append((pid, sig)))
     return env
@@ -194,7 +194,7 @@ def test_chaos_draw_is_reproducible_recoverable_and_spaced() -> None:
 
 
 def test_partition_cuts_only_connections_that_cross_the_node_and_its_listeners() -> None:
-    from launcher.partition import Socket, crossing
+    from phalanx.launcher.drills.faults.partition import Socket, crossing
 
     sockets = [Socket(5000, 0, 1, True),          # node listener
                Socket(6000, 0, 9, True),          # outside listener

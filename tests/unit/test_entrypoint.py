@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from configs.errors import ConfigError
-from runtime.entrypoint import load_entrypoint
+from phalanx.configs.errors import ConfigError
+from phalanx.runtime.worker.entrypoint import load_entrypoint
 
 
 def test_a_file_entrypoint_imports_its_siblings(tmp_path: Path,

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from configs.errors import ServiceStartError
-from launcher import etcd_server
-from launcher.etcd_server import EmbeddedEtcd, etcd_healthy
-from runtime.base import MemberRecord, WatchEvent
-from runtime.membership_etcd import EtcdMembership
+from phalanx.configs.errors import ServiceStartError
+from phalanx.launcher.services import etcd_server
+from phalanx.launcher.services.etcd_server import EmbeddedEtcd, etcd_healthy
+from phalanx.runtime.base import MemberRecord, WatchEvent
+from phalanx.runtime.membership.etcd import EtcdMembership
 
 pytestmark = pytest.mark.integration
 
@@ -150,7 +150,7 @@ def test_port_race_is_retried_on_other_ports(tmp_path: Path,
 CHILD = """
 import sys, time
 from pathlib import Path
-from launcher.etcd_server import EmbeddedEtcd
+from phalanx.launcher.services.etcd_server import EmbeddedEtcd
 server = EmbeddedEtcd(Path(sys.argv[1])).start()
 print(server.pid, flush=True)
 time.sleep(60)

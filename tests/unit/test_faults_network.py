@@ -12,11 +12,11 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from configs.errors import ConfigError
-from configs.schema import JobConfig, PhalanxConfig, S3TierConfig, TiersConfig
-from launcher.faults import REGISTRY, FaultSpec, catalogue
-from launcher.faults_network import prepare_job
-from launcher.link_proxy import LinkProxy
+from phalanx.configs.errors import ConfigError
+from phalanx.configs.schema import JobConfig, PhalanxConfig, S3TierConfig, TiersConfig
+from phalanx.launcher.drills.catalogue import REGISTRY, FaultSpec, catalogue
+from phalanx.launcher.drills.faults.network import prepare_job
+from phalanx.launcher.drills.link_proxy import LinkProxy
 from tests.unit.test_link_proxy import _EchoServer, _round_trip
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]

@@ -10,15 +10,16 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from configs.errors import ConfigError, SnapshotCorrupt
-from configs.loader import load_config
-from launcher.faults import FaultSpec
-from launcher.faults_storage import corrupt_snapshot, delete_snapshot, flip_file, truncate_snapshot
-from runtime.keeper import Keeper
-from runtime.keeper_wire import KeeperClient
-from runtime.snapshot_format import verify_snapshot
-from runtime.snapshotter import SnapshotPolicy, Snapshotter
-from runtime.tier_disk import DiskTier
+from phalanx.configs.errors import ConfigError, SnapshotCorrupt
+from phalanx.configs.loader import load_config
+from phalanx.launcher.drills.catalogue import FaultSpec
+from phalanx.launcher.drills.faults.storage import (corrupt_snapshot, delete_snapshot, flip_file,
+                                                    truncate_snapshot)
+from phalanx.runtime.keeper.daemon import Keeper
+from phalanx.runtime.keeper.wire import KeeperClient
+from phalanx.runtime.snapshot.format import verify_snapshot
+from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter
+from phalanx.runtime.tiers.disk import DiskTier
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,25 +1,24 @@
-"""The native fused copy (runtime/fused_copy.c): its digest is python-xxhash's XXH3-128 of
-the bytes it copied, for any length and alignment; it is built once and shared; where it
-cannot be built, ``kernel()`` is None and says why."""
+"""The native fused copy (runtime/snapshot/fused_copy.c): its digest is python-xxhash's XXH3-128 of
+the bytes it copied, for any length and alignment; the install builds it; where it was not
+built or does not load, ``kernel()`` is None and says why."""
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import xxhash
 from hypothesis import given, settings, strategies as st
 
-from runtime import fused_copy
+from phalanx.runtime.snapshot import fused_copy
 
 pytestmark = pytest.mark.unit
 
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
-                              reason="no C compiler here: the native kernel cannot be built")
+                              reason="no C compiler here: the install built no native kernel")
 
 
 @needs_cc
@@ -53,40 +52,31 @@ def test_the_stream_copy_copies_exactly() -> None:
 
 
 @needs_cc
-def test_concurrent_first_builds_agree_on_one_library(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PHALANX_NATIVE_DIR", str(tmp_path))
-    with ThreadPoolExecutor(4) as pool:
-        paths = list(pool.map(lambda _: fused_copy._build(), range(4)))
-    assert len(set(paths)) == 1
-    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]      # no temp files left
-    assert fused_copy._load(paths[0]).path == paths[0]
+def test_the_install_built_the_library_and_kernel_loads_it() -> None:
+    path = fused_copy.library()
+    assert path.parent == fused_copy.SOURCE.parent and path.name.startswith("_fused_copy")
+    loaded = fused_copy.kernel.__wrapped__()
+    assert loaded is not None and loaded.path == path
 
 
-def test_no_compiler_means_the_python_path_and_a_reason(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch,
+def test_no_library_means_the_python_path_and_the_fix(monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv("PHALANX_NATIVE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "no-such-cc-for-phalanx")
-    with caplog.at_level(logging.WARNING, logger="runtime.fused_copy"):
+    monkeypatch.setattr(fused_copy, "LIBRARY", "_no_such_library_for_phalanx")
+    with caplog.at_level(logging.WARNING, logger="phalanx.runtime.snapshot.fused_copy"):
         assert fused_copy.kernel.__wrapped__() is None
-    assert "no C compiler 'no-such-cc-for-phalanx'" in caplog.text
-    assert "fallback=python" in caplog.text
+    assert "was not built when phalanx was installed" in caplog.text
+    assert "reinstall phalanx" in caplog.text and "fallback=python" in caplog.text
 
 
-def test_a_failing_build_means_the_python_path_and_the_compiler_error(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
-    broken = tmp_path / "broken.c"
-    broken.write_text("this is not C;\n")
-    monkeypatch.setattr(fused_copy, "SOURCE", broken)
-    monkeypatch.setenv("PHALANX_NATIVE_DIR", str(tmp_path / "out"))
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler here to fail")
-    with caplog.at_level(logging.WARNING, logger="runtime.fused_copy"):
+def test_an_unloadable_library_means_the_python_path(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    suffix = fused_copy.importlib.machinery.EXTENSION_SUFFIXES[0]
+    (tmp_path / f"_fused_copy{suffix}").write_bytes(b"not an ELF file")
+    monkeypatch.setattr(fused_copy, "SOURCE", tmp_path / "fused_copy.c")
+    with caplog.at_level(logging.WARNING, logger="phalanx.runtime.snapshot.fused_copy"):
         assert fused_copy.kernel.__wrapped__() is None
-    assert "failed on" in caplog.text and "broken.c" in caplog.text
-    assert list((tmp_path / "out").iterdir()) == []                    # no half-built library
+    assert "fused_copy_unavailable" in caplog.text and "fallback=python" in caplog.text
 
 
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,14 +26,15 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from configs.errors import (ConfigError, PeerUnreachable, PhalanxError, SnapshotCorrupt,
-                            SnapshotUnauthenticated)
-from configs.loader import load_config_text
-from configs.schema import PhalanxConfig
-from runtime.frames import (FrameInvalid, IncomingPayload, PeerRefused, client_handshake,
-                            raise_for_reply, recv_header, server_handshake)
-from runtime.snapshot_format import (Manifest, make_manifest, parse_header, plan_layout,
-                                     read_tensors, verify_snapshot, write_checksummed)
+from phalanx.configs.errors import (ConfigError, PeerUnreachable, PhalanxError, SnapshotCorrupt,
+                                    SnapshotUnauthenticated)
+from phalanx.configs.loader import load_config_text
+from phalanx.configs.schema import PhalanxConfig
+from phalanx.runtime.transport.frames import (FrameInvalid, IncomingPayload, PeerRefused,
+                                              client_handshake, raise_for_reply, recv_header,
+                                              server_handshake)
+from phalanx.runtime.snapshot.format import (Manifest, make_manifest, parse_header, plan_layout,
+                                             read_tensors, verify_snapshot, write_checksummed)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 

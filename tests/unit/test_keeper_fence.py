@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from configs.errors import MembershipUnavailable
-from runtime.generation import GENERATION_KEY
-from runtime.keeper_fence import KeeperFence
-from runtime.membership_memory import InMemoryMembership
+from phalanx.configs.errors import MembershipUnavailable
+from phalanx.runtime.membership.generation import GENERATION_KEY
+from phalanx.runtime.keeper.fence import KeeperFence
+from tests.fakes.membership_memory import InMemoryMembership
 
 pytestmark = pytest.mark.unit
 

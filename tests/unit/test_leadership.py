@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from configs.errors import ConfigError
-from configs.loader import load_config
-from launcher.leadership import (JobState, Leadership, LeadershipLost, StandbyError,
-                                 publish_state, read_state)
-from runtime.membership_memory import InMemoryMembership, InMemoryStore
+from phalanx.configs.errors import ConfigError
+from phalanx.configs.loader import load_config
+from phalanx.launcher.services.leadership import (JobState, Leadership, LeadershipLost,
+                                                  StandbyError, publish_state, read_state)
+from tests.fakes.membership_memory import InMemoryMembership, InMemoryStore
 
 
 def test_one_leader_and_a_standby_that_takes_over_when_its_lease_ends() -> None:
@@ -73,7 +73,7 @@ def test_standby_needs_services_that_outlive_the_launcher() -> None:
 
 
 def test_standby_flag_without_the_config_is_refused() -> None:
-    from launcher.job import JobRunner
+    from phalanx.launcher.job import JobRunner
 
     with pytest.raises(ConfigError, match="--standby was given"):
         JobRunner(load_config("configs/demo.yaml", []), standby=True)

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from launcher.link_proxy import LinkProxy
+from phalanx.launcher.drills.link_proxy import LinkProxy
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

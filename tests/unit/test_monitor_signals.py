@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from launcher.coordinator import RankSlot
-from launcher.job import _stale
-from launcher.monitor import Monitor
-from recovery.detection import CollectiveError, KeeperLeaseExpired, NodeLost
-from runtime.base import MemberRecord
+from phalanx.launcher.coordination.coordinator import RankSlot
+from phalanx.launcher.job import _stale
+from phalanx.launcher.coordination.monitor import Monitor
+from phalanx.recovery.detection import CollectiveError, KeeperLeaseExpired, NodeLost
+from phalanx.runtime.base import MemberRecord
 
 GRACE_S = 0.05
 

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from launcher.node_watch import NodeWatch, refuses
-from runtime.transport import FrameServer, Reply
+from phalanx.launcher.coordination.node_watch import NodeWatch, refuses
+from phalanx.runtime.transport.tcp import FrameServer, Reply
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = b"s" * 32
 JOB = "watchjob"
 CHILD = """
 import json, socket, sys, time
-from runtime.transport import FrameServer, Reply
+from phalanx.runtime.transport.tcp import FrameServer, Reply
 server = FrameServer("127.0.0.1", secret=b"s" * 32, job="watchjob",
                      handler=lambda request: Reply({})).start()
 raylet = socket.create_server(("127.0.0.1", 0))
@@ -119,7 +119,7 @@ def test_refuses_only_when_nothing_listens():
 
 
 def test_descendants_finds_the_whole_process_tree():
-    from launcher.ray_cluster import descendants
+    from phalanx.launcher.services.ray_cluster import descendants
 
     tree = subprocess.Popen(["sh", "-c", "sleep 30 & (sleep 30 & wait) & wait"])
     try:

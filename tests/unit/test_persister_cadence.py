@@ -13,12 +13,12 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from configs.errors import SnapshotNotFound
-from configs.schema import DiskTierConfig, JobConfig, PhalanxConfig, TiersConfig
-from runtime.keeper import Keeper, SlotBusy
-from runtime.persister import TierPersister, pick_step
-from runtime.snapshot_format import checksums, make_manifest, plan_layout, write_into
-from runtime.tier_memory import MemoryTier
+from phalanx.configs.errors import SnapshotNotFound
+from phalanx.configs.schema import DiskTierConfig, JobConfig, PhalanxConfig, TiersConfig
+from phalanx.runtime.keeper.daemon import Keeper, SlotBusy
+from phalanx.runtime.tiers.persister import TierPersister, pick_step
+from phalanx.runtime.snapshot.format import checksums, make_manifest, plan_layout, write_into
+from tests.fakes.tier_memory import MemoryTier
 from tests.integration.test_persister import Events
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -189,7 +189,7 @@ def test_every_s_opens_wall_clock_windows_when_steps_are_far_apart(nodes) -> Non
 
 
 def test_tier_specs_pass_every_s_through(tmp_path: Path) -> None:
-    from launcher.keeper_actor import build_tiers, tier_specs
+    from phalanx.launcher.keeper_actor import build_tiers, tier_specs
 
     cfg = PhalanxConfig(job=JobConfig(entrypoint="x.py:main", name=JOB),
                         tiers=TiersConfig(disk=DiskTierConfig(every_steps=7, every_s=30.0,

@@ -6,9 +6,9 @@ import pickle
 
 import pytest
 
-from configs.errors import FatalError, PhalanxError
-from recovery.base import InvalidTransition
-from recovery.phases import ALLOWED, Phase, PhaseMachine
+from phalanx.configs.errors import FatalError, PhalanxError
+from phalanx.recovery.base import InvalidTransition
+from phalanx.recovery.phases import ALLOWED, Phase, PhaseMachine
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -113,12 +113,12 @@ def test_allowed_paths(path: list[Phase]) -> None:
 def test_each_transition_logs_one_key_value_line(caplog: pytest.LogCaptureFixture) -> None:
     clock = ManualClock()
     machine = PhaseMachine(clock)
-    with caplog.at_level(logging.INFO, logger="recovery.phases"):
+    with caplog.at_level(logging.INFO, logger="phalanx.recovery.phases"):
         clock.advance(0.25)
         machine.transition(Phase.DETECTING, "actor w3-g0 died")
         with pytest.raises(InvalidTransition):
             machine.transition(Phase.RESUMING, "nope")
-    lines = [r.getMessage() for r in caplog.records if r.name == "recovery.phases"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "phalanx.recovery.phases"]
     assert lines == ["event=phase from=steady to=detecting duration_s=0.250000 "
                      "reason='actor w3-g0 died'"]
 

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from configs.errors import PlanInfeasible
-from runtime.base import NodeId, Rank
-from runtime.placement import (Placement, PlacementError, PlacementInput, moved_replicas,
-                               place_replicas)
+from phalanx.configs.errors import PlanInfeasible
+from phalanx.runtime.base import NodeId, Rank
+from phalanx.runtime.replication.placement import (Placement, PlacementError, PlacementInput,
+                                                   moved_replicas, place_replicas)
 
 pytestmark = pytest.mark.unit
 SETTINGS = settings(max_examples=100, deadline=None,

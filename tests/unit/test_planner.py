@@ -19,14 +19,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from configs.schema import RecoveryConfig, SparesConfig
-from recovery.base import (
-    Abort, FaultKind, FaultReport, PromoteSpare, RecoveryPlan, ReplicaMap, RestartWorker,
-    RestoreFromKeeper, RestoreFromTier, Rollback, SpareInventory, TierInventory,
-    WaitForCapacity, WorldView,
-)
-from recovery.planner import RecoveryPolicy, plan_recovery
-from runtime.base import Generation, NodeId, Rank, SpareId, Step, WorkerId
+from phalanx.configs.schema import RecoveryConfig, SparesConfig
+from phalanx.recovery.base import (Abort, FaultKind, FaultReport, PromoteSpare, RecoveryPlan,
+                                   ReplicaMap, RestartWorker, RestoreFromKeeper, RestoreFromTier,
+                                   Rollback, SpareInventory, TierInventory, WaitForCapacity,
+                                   WorldView)
+from phalanx.recovery.planner import RecoveryPolicy, plan_recovery
+from phalanx.runtime.base import Generation, NodeId, Rank, SpareId, Step, WorkerId
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from configs.reference import render_reference
-from launcher.cli import build_parser
+from phalanx.configs.reference import render_reference
+from phalanx.launcher.cli import build_parser
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -70,8 +70,8 @@ def test_config_reference_is_generated_text() -> None:
     inside = between_markers(readme_text(), "config-reference")
     expected = render_reference()
     assert inside == expected, (
-        "the README's config reference differs from configs.reference.render_reference(); "
-        "paste the output of `python -m configs.reference` between the config-reference "
+        "the README's config reference differs from phalanx.configs.reference.render_reference(); "
+        "paste the output of `python -m phalanx.configs.reference` between the config-reference "
         "markers:\n" + expected)
 
 

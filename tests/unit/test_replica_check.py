@@ -10,19 +10,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launcher.commit_tracker import CommitTracker
-from launcher.replica_check import ReplicaCheck, corruption_signal
-from recovery.base import (FaultKind, RepairFromPeer, RecoveryPlan, ReplicaMap,
-                           RestoreFromKeeper, Rollback, SpareInventory, TierInventory,
-                           WorldView)
-from recovery.detection import SilentCorruption, classify, compare_digests
-from recovery.planner import RecoveryPolicy, plan_recovery
-from runtime.base import MemberRecord
-from runtime.commit import KeeperReport, gate
-from runtime.keeper_reporter import KEEPERS
-from runtime.membership_memory import InMemoryMembership, InMemoryStore
-from runtime.replica_digest import (REPLICAS_EXTRA, ReplicaStatus, agreement_vector,
-                                    read_agreement, replica_digest, verified_ceiling)
+from phalanx.launcher.coordination.commit_tracker import CommitTracker
+from phalanx.launcher.coordination.replica_check import ReplicaCheck, corruption_signal
+from phalanx.recovery.base import (FaultKind, RepairFromPeer, RecoveryPlan, ReplicaMap,
+                                   RestoreFromKeeper, Rollback, SpareInventory, TierInventory,
+                                   WorldView)
+from phalanx.recovery.detection import SilentCorruption, classify, compare_digests
+from phalanx.recovery.planner import RecoveryPolicy, plan_recovery
+from phalanx.runtime.base import MemberRecord
+from phalanx.runtime.commit import KeeperReport, gate
+from phalanx.runtime.keeper.reporter import KEEPERS
+from tests.fakes.membership_memory import InMemoryMembership, InMemoryStore
+from phalanx.runtime.consistency.digest import (REPLICAS_EXTRA, ReplicaStatus, agreement_vector,
+                                                read_agreement, replica_digest, verified_ceiling)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -225,8 +225,8 @@ def test_corruption_before_any_verified_step_cannot_be_rolled_back() -> None:
 # --- config ----------------------------------------------------------------------------
 
 def test_config_keys_and_their_checks() -> None:
-    from configs.errors import ConfigError
-    from configs.loader import load_config_text
+    from phalanx.configs.errors import ConfigError
+    from phalanx.configs.loader import load_config_text
 
     base = "job:\n  entrypoint: examples/train_mlp.py:main\n"
     cfg = load_config_text(base)

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from launcher.fault_memory import MemoryFaultFailed, corrupt_params, pick_tensor
-from launcher.faults import FaultSpec
-from runtime.memory_map import read_memory_maps, tensor_table
-from runtime.replica_digest import ReplicaStatus
-from runtime.replica_verify import ReplicaVerifier
+from phalanx.launcher.drills.faults.memory import MemoryFaultFailed, corrupt_params, pick_tensor
+from phalanx.launcher.drills.catalogue import FaultSpec
+from phalanx.runtime.worker.drill_hooks import read_memory_maps, tensor_table
+from phalanx.runtime.consistency.digest import ReplicaStatus
+from phalanx.runtime.consistency.verify import ReplicaVerifier
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def test_a_divergence_freezes_the_verified_step_until_a_rollback() -> None:
 
 CHILD = textwrap.dedent("""
     import sys, torch
-    from runtime.memory_map import write_memory_map
+    from phalanx.runtime.worker.drill_hooks import write_memory_map
     model = torch.nn.Linear(2, 1)
     with torch.no_grad():
         model.weight.fill_(1.0)

@@ -20,18 +20,18 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from configs.errors import ConfigError, StaleGeneration
-from configs.loader import dump_config, load_config
-from configs.schema import JobConfig, PhalanxConfig, ReplicationConfig
-from launcher.job import job_secret
-from launcher.rundir import RunDir
-from launcher.services import host_store
-from runtime.context import WorkerContext
-from runtime.keeper import Keeper
-from runtime.keeper_wire import KeeperClient
-from runtime.snapshot_format import Manifest
-from runtime.transport import (MAX_HEADER_BYTES, FrameClient, FrameServer,
-                               PeerRefused, Reply, Request, client_handshake, recv_header)
+from phalanx.configs.errors import ConfigError, StaleGeneration
+from phalanx.configs.loader import dump_config, load_config
+from phalanx.configs.schema import JobConfig, PhalanxConfig, ReplicationConfig
+from phalanx.launcher.job import job_secret
+from phalanx.launcher.rundir import RunDir
+from phalanx.launcher.services.stack import host_store
+from phalanx.runtime.context import WorkerContext
+from phalanx.runtime.keeper.daemon import Keeper
+from phalanx.runtime.keeper.wire import KeeperClient
+from phalanx.runtime.snapshot.format import Manifest
+from phalanx.runtime.transport.tcp import (MAX_HEADER_BYTES, FrameClient, FrameServer, PeerRefused,
+                                           Reply, Request, client_handshake, recv_header)
 
 SECRET = b"s" * 32
 JOB = "job-sec"

@@ -10,17 +10,17 @@ from typing import Any
 
 import pytest
 
-from configs.errors import MembershipUnavailable, PeerUnreachable
-from launcher.coordinator import RankSlot
-from launcher.etcd_outage import EtcdOutage, outage_grace_s
-from launcher.monitor import Monitor, PollResult
-from launcher.node_watch import NodeWatch
-from recovery.detection import LeaseLost
-from runtime.base import MemberRecord
-from runtime.keeper_link import KeeperLink, keeper_address
-from runtime.membership_memory import InMemoryMembership
-from runtime.commit import KeeperReport
-from runtime.transport import FrameServer, Reply
+from phalanx.configs.errors import MembershipUnavailable, PeerUnreachable
+from phalanx.launcher.coordination.coordinator import RankSlot
+from phalanx.launcher.services.etcd_outage import EtcdOutage, outage_grace_s
+from phalanx.launcher.coordination.monitor import Monitor, PollResult
+from phalanx.launcher.coordination.node_watch import NodeWatch
+from phalanx.recovery.detection import LeaseLost
+from phalanx.runtime.base import MemberRecord
+from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address
+from tests.fakes.membership_memory import InMemoryMembership
+from phalanx.runtime.commit import KeeperReport
+from phalanx.runtime.transport.tcp import FrameServer, Reply
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = b"s" * 32
@@ -97,7 +97,7 @@ def _lease_signals(monitor: Monitor, members: dict[str, MemberRecord],
 
 
 def test_a_vanished_key_counts_only_once_keys_are_trusted_again(monkeypatch) -> None:
-    monkeypatch.setattr("launcher.monitor.FINISH_GRACE_S", 0.05)
+    monkeypatch.setattr("phalanx.launcher.coordination.monitor.FINISH_GRACE_S", 0.05)
     monitor = Monitor(1, node_check_s=1e9)
     record = MemberRecord(worker_id="w0", rank=0, node="node0", step=3)
     assert _lease_signals(monitor, {"w0": record}, trusted=True) == []
@@ -287,7 +287,7 @@ class FakeWatch:
 
 
 def _fake_ray(monkeypatch: pytest.MonkeyPatch, started: list, raylets: dict) -> None:
-    import launcher.keeper_restart as kr
+    import phalanx.launcher.coordination.keeper_restart as kr
 
     def get(ref: FakeRef, timeout: float | None = None) -> Any:
         if ref.error is not None:
@@ -309,8 +309,8 @@ def _fake_ray(monkeypatch: pytest.MonkeyPatch, started: list, raylets: dict) -> 
 
 def test_a_keeper_gone_on_a_live_node_is_replaced_and_placement_sent_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from configs.loader import load_config
-    from launcher.keeper_restart import KeeperRestarts
+    from phalanx.configs.loader import load_config
+    from phalanx.launcher.coordination.keeper_restart import KeeperRestarts
 
     started: list = []
     _fake_ray(monkeypatch, started, {0: ("127.0.0.1", 1), 1: ("127.0.0.1", 2)})
@@ -337,8 +337,8 @@ def test_a_keeper_gone_on_a_live_node_is_replaced_and_placement_sent_again(
 ])
 def test_ray_reporting_a_keeper_dead_restarts_it_only_on_a_live_node(
         monkeypatch: pytest.MonkeyPatch, raylets: dict, restarted: list) -> None:
-    from configs.loader import load_config
-    from launcher.keeper_restart import KeeperRestarts
+    from phalanx.configs.loader import load_config
+    from phalanx.launcher.coordination.keeper_restart import KeeperRestarts
 
     started: list = []
     _fake_ray(monkeypatch, started, raylets)

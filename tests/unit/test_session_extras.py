@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.context import WorkerContext
-from runtime.keeper import Keeper
-from runtime.restore import TierSource, restore
-from runtime.session import Session
-from runtime.snapshot_format import checksums, make_manifest, plan_layout, write_into
-from runtime.state_tree import flatten_state
-from runtime.tier_disk import DiskTier
-from runtime.tier_memory import MemoryTier
+from phalanx.runtime.context import WorkerContext
+from phalanx.runtime.keeper.daemon import Keeper
+from phalanx.runtime.snapshot.restore import TierSource, restore
+from phalanx.runtime.worker.session import Session
+from phalanx.runtime.snapshot.format import checksums, make_manifest, plan_layout, write_into
+from phalanx.runtime.snapshot.state_tree import flatten_state
+from phalanx.runtime.tiers.disk import DiskTier
+from tests.fakes.tier_memory import MemoryTier
 
 SECRET = secrets.token_bytes(32)
 

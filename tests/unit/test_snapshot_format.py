@@ -14,10 +14,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import runtime.snapshot_format as fmt
-from configs.errors import SnapshotCorrupt, SnapshotUnauthenticated
-from runtime.snapshot_format import (Manifest, SnapshotLayout, checksums, make_manifest,
-                                     parse_header, plan_layout, read_tensors, write_into)
+import phalanx.runtime.snapshot.format as fmt
+from phalanx.configs.errors import SnapshotCorrupt, SnapshotUnauthenticated
+from phalanx.runtime.snapshot.format import (Manifest, SnapshotLayout, checksums, make_manifest,
+                                             parse_header, plan_layout, read_tensors, write_into)
 
 pytestmark = pytest.mark.unit
 SETTINGS = settings(max_examples=40, deadline=None,

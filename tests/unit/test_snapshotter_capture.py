@@ -9,12 +9,12 @@ import secrets
 import pytest
 import torch
 
-import runtime.snapshotter as snapshotter_module
-from runtime.keeper import Keeper
-from runtime.keeper_wire import KeeperClient
-from runtime.snapshot_format import read_tensors, verify_snapshot
-from runtime.snapshotter import SnapshotPolicy, Snapshotter
-from runtime.state_tree import flatten_state
+import phalanx.runtime.snapshot.snapshotter as snapshotter_module
+from phalanx.runtime.keeper.daemon import Keeper
+from phalanx.runtime.keeper.wire import KeeperClient
+from phalanx.runtime.snapshot.format import read_tensors, verify_snapshot
+from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter
+from phalanx.runtime.snapshot.state_tree import flatten_state
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 SECRET = b"k" * 32

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.snapshotter import (AUTO_MAX_INTERVAL, UNSEEN_COST, SnapshotPolicy, Snapshotter,
-                                 _IntervalController)
+from phalanx.runtime.snapshot.snapshotter import (AUTO_MAX_INTERVAL, UNSEEN_COST, SnapshotPolicy,
+                                                  Snapshotter, _IntervalController)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -17,10 +17,11 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from configs.errors import SnapshotCorrupt
-from runtime.snapshot_format import (Manifest, checksums, make_manifest, plan_layout,
-                                     read_tensors, write_into)
-from runtime.state_tree import RNGState, apply_state, flatten_state, unflatten_state
+from phalanx.configs.errors import SnapshotCorrupt
+from phalanx.runtime.snapshot.format import (Manifest, checksums, make_manifest, plan_layout,
+                                             read_tensors, write_into)
+from phalanx.runtime.snapshot.state_tree import (RNGState, apply_state, flatten_state,
+                                                 unflatten_state)
 
 pytestmark = pytest.mark.unit
 SETTINGS = settings(max_examples=30, deadline=None,

@@ -13,10 +13,10 @@ import tracemalloc
 
 import pytest
 
-from configs.errors import PeerUnreachable, SnapshotNotFound
-from runtime.transport import (MAX_HEADER_BYTES, FrameClient, FrameInvalid, FrameServer,
-                               IncomingPayload, PeerRefused, Reply, Request, recv_header,
-                               send_frame)
+from phalanx.configs.errors import PeerUnreachable, SnapshotNotFound
+from phalanx.runtime.transport.tcp import (MAX_HEADER_BYTES, FrameClient, FrameInvalid, FrameServer,
+                                           IncomingPayload, PeerRefused, Reply, Request,
+                                           recv_header, send_frame)
 
 SECRET = b"s" * 32
 JOB = "job-t"

@@ -1,0 +1,63 @@
+"""Tracks the global commit point from the keepers' reports (``keepers/<node>``) and writes
+``commit`` to etcd at most every ``replication.commit_every_steps`` steps (or every few
+seconds when it moved), never per step per rank."""
+from __future__ import annotations
+
+import logging
+import time
+
+from phalanx.configs.errors import MembershipUnavailable
+from phalanx.runtime.base import Membership
+from phalanx.runtime.commit import COMMIT_KEY, KeeperReport, commit_value, committed_step, gate
+from phalanx.runtime.keeper.reporter import KEEPERS
+from phalanx.runtime.consistency.digest import verified_ceiling
+
+log = logging.getLogger(__name__)
+
+
+def read_reports(membership: Membership) -> dict[str, KeeperReport]:
+    return {kv.key.removeprefix(KEEPERS): KeeperReport.from_json(kv.value)
+            for kv in membership.list_prefix(KEEPERS)}
+
+
+class CommitTracker:
+    """Owned by the launcher's main thread; ``poll`` is cheap (two etcd range reads: the
+    keepers' reports and, for the replica gate, the members' records)."""
+
+    def __init__(self, membership: Membership, world_size: int, factor: int,
+                 every_steps: int, every_s: float = 5.0, read_every_s: float = 0.5) -> None:
+        self._membership = membership
+        self._ranks = list(range(world_size))
+        self._factor = factor
+        self._every_steps = every_steps
+        self._every_s = every_s
+        self._read_every_s = read_every_s
+        self._last_read = 0.0
+        self._written = -1
+        self._written_at = 0.0
+        self.committed = -1
+
+    def poll(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        if now - self._last_read < self._read_every_s:
+            return self.committed
+        self._last_read = now
+        try:
+            step = committed_step(read_reports(self._membership), self._ranks, self._factor)
+            # never past a step the ranks' replica digests have not all agreed on
+            step = gate(step, verified_ceiling(
+                r.extra for r in self._membership.members().values() if r.rank >= 0))
+        except MembershipUnavailable as exc:
+            log.warning("event=commit_read_failed error=%s", exc)
+            return self.committed
+        self.committed = max(self.committed, step)
+        due = self.committed >= self._written + self._every_steps or (
+            self.committed > self._written and now - self._written_at >= self._every_s)
+        if due:
+            try:
+                self._membership.put(COMMIT_KEY, commit_value(self.committed, time.time()))
+            except MembershipUnavailable as exc:   # written at a later poll
+                log.warning("event=commit_write_failed step=%d error=%s", self.committed, exc)
+                return self.committed
+            self._written, self._written_at = self.committed, now
+        return self.committed

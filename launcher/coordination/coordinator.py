@@ -1,0 +1,439 @@
+"""The recovery coordinator's executor: turns classified faults into a plan (pure planner),
+then acts on it: fence the generation in etcd, publish the worker-facing plan, promote
+spares or start fresh workers, kill hung ranks, and time every phase until the first step
+of the new generation completes."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import ray
+from ray.exceptions import RayActorError
+
+from phalanx.configs.errors import PlanInfeasible
+from phalanx.configs.schema import PhalanxConfig
+from phalanx.launcher.events import EventLog
+from phalanx.launcher.keeper_actor import node_name
+from phalanx.recovery.base import (Abort, FaultKind, FaultReport, PromoteSpare, RecoveryPlan,
+                                   RepairFromPeer, ReplicaMap, RestartWorker, RestoreFromKeeper,
+                                   RestoreFromTier, Rollback, SpareInventory, TierInventory,
+                                   WaitForCapacity, WorldView)
+from phalanx.recovery.phases import Phase, PhaseMachine
+from phalanx.recovery.planner import RecoveryPolicy, plan_recovery
+from phalanx.runtime.base import MemberRecord, Membership
+from phalanx.runtime.commit import KeeperReport, committed_step, holders_of
+from phalanx.runtime.tiers.config import disk_tier_root
+from phalanx.runtime.membership.generation import (GENERATION_KEY, GenerationPlan, RankAssignment,
+                                                   plan_key)
+from phalanx.runtime.keeper.reporter import report_from_keeper
+from phalanx.runtime.replication.placement import Placement, PlacementInput, place_replicas
+from phalanx.spares.pool import SparePool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankSlot:
+    """Who runs a rank now: its worker id, node, Ray actor and the ref of its ``run``."""
+
+    rank: int
+    worker_id: str
+    node: int
+    actor: Any
+    ref: Any = None
+    pid: int = 0
+    name: str = ""       # the actor's name in the job's Ray namespace (a standby finds it)
+
+
+@dataclass
+class Recovery:
+    """One recovery in flight, for timing and reporting."""
+
+    generation: int
+    restore_step: int
+    fault_at: float
+    root: FaultReport
+    phases: dict[str, float] = field(default_factory=dict)
+    plan_reason: str = ""
+    fault_wall: float = 0.0
+    lost_steps: int = 0
+    phase_start: int = 0
+
+
+@dataclass
+class Waiting:
+    """A recovery parked by ``spares.on_exhausted: wait``: the faults to recover from once
+    a spare is warm again, and when to give up (coordinator clock)."""
+
+    faults: list[FaultReport]
+    deadline: float
+    reason: str
+    needed: int                    # warm spares the parked plan needs
+    next_try: float = 0.0
+
+
+Launch = Callable[[RankSlot, int, dict | None], Any]
+WAIT_RETRY_S = 0.2        # how often a parked recovery looks for a warm spare
+
+
+class RecoveryCoordinator:
+    """Owned by the launcher's main thread."""
+
+    def __init__(self, cfg: PhalanxConfig, membership: Membership, keepers: dict[int, tuple[Any, tuple[str, int]]],
+                 pool: SparePool | None, launch: Launch, events: EventLog,
+                 run_dir: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.membership = membership
+        self.keepers = keepers
+        self.pool = pool
+        self.launch = launch
+        self.events = events
+        self.run_dir = run_dir
+        self.clock = clock
+        self.phases = PhaseMachine(clock, on_change=lambda c: events.emit(
+            "phase", **{"from": c.from_phase.value, "to": c.to_phase.value,
+                        "reason": c.reason, "duration_s": round(c.duration_s, 4)}))
+        self.generation = 0
+        self.recoveries = 0
+        self.live_nodes: set[int] = set(range(cfg.job.nodes))
+        self.pending: Recovery | None = None
+        self.placement: Placement | None = None
+        self.committed: Callable[[], int] = lambda: -1
+        self.history: list[dict[str, Any]] = []
+        self.waiting: Waiting | None = None
+        self.store_address: tuple[str, int] | None = None   # this launcher's TCPStore
+        self.routes: dict[int, tuple[str, int]] = {}   # node -> where its replicas go (drills)
+        self.holders_before: dict[int, dict[int, list[str]]] = {}  # generation -> replica holders
+
+    def fence_initial(self) -> None:
+        if not self.membership.compare_and_swap(GENERATION_KEY, 0, b"0"):
+            raise PlanInfeasible("generation key already exists: another launcher runs this job")
+
+    def place(self, slots: Mapping[int, RankSlot]) -> None:
+        """Choose replica holders for this generation and hand every live keeper its part:
+        which local ranks to replicate where (and the generation that fences older writers)."""
+        live = sorted(n for n in self.live_nodes if n in self.keepers)
+        factor = min(self.cfg.replication.factor if self.cfg.replication.enabled else 0,
+                     len(live) - 1)
+        holders: dict[int, list[str]] = {}
+        if factor > 0:
+            placement = place_replicas(PlacementInput(
+                {r: node_name(s.node) for r, s in slots.items()},
+                [node_name(n) for n in live], factor), previous=self.placement)
+            self.placement = placement
+            holders = {int(r): list(h) for r, h in placement.holders.items()}
+        addresses = {node_name(n): list(self.routes.get(n) or self.keepers[n][1]) for n in live}
+        for node in live:
+            try:
+                ray.get(self.keepers[node][0].set_targets.remote(
+                    self.generation, [r for r, s in slots.items() if s.node == node], holders,
+                    addresses), timeout=30)
+            except RayActorError as exc:  # detected as a node fault on the next poll
+                self.events.emit("keeper_unreachable", node=node_name(node),
+                                 error=str(exc).splitlines()[0][:200])
+        self.events.emit("placement", generation=self.generation, factor=factor,
+                         holders={str(r): h for r, h in sorted(holders.items())})
+
+    # -- the recovery ------------------------------------------------------------------
+    def recover(self, faults: Sequence[FaultReport], slots: dict[int, RankSlot],
+                *, replay: bool = False) -> None:
+        """Plan and execute one recovery; raises ``PlanInfeasible`` when the plan aborts. A
+        plan that must wait for capacity parks the recovery (phase DEGRADED): ``retry``
+        plans it again once a spare is warm, until ``spares.wait_timeout_s``."""
+        if self.waiting is not None:       # faults while parked join the parked ones
+            faults = self.waiting.faults + self.fresh(faults)
+        root = min(faults, key=lambda f: f.observed_at)
+        reached = self._reached(slots)
+        for fault in faults:
+            if not replay:             # a parked recovery planned again: known faults
+                self.events.emit("fault", kind=fault.kind.value, ranks=list(fault.ranks),
+                                 node=fault.node, evidence=fault.evidence)
+                if fault.corruption is not None:
+                    found = fault.corruption
+                    self.events.emit("sdc_detected", step=found.step, ranks=list(fault.ranks),
+                                     digests={str(r): d for r, d in found.digests},
+                                     verified_step=found.verified_step)
+            if fault.kind is FaultKind.NODE_DIED and fault.node:
+                self._forget_node(fault.node)
+        phase_start = len(self.phases.history)
+        fault_wall = time.time() - max(0.0, self.clock() - root.observed_at)
+        self.phases.transition(Phase.DETECTING, root.evidence[:80])
+        detect_s = max(0.0, self.clock() - root.observed_at)
+        self.phases.transition(Phase.PLANNING, "faults classified")
+        reports = self._fresh_reports()
+        lost_nodes = {f.node for f in faults if f.node} - {node_name(n) for n in self.live_nodes}
+        faults = list(faults) + [FaultReport(FaultKind.NODE_DIED, tuple(
+            r for r, s in slots.items() if node_name(s.node) == node), node, root.observed_at,
+            f"keeper of {node} is gone") for node in sorted(lost_nodes)]
+        tiers = self._tiers()
+        world = self._world(slots, reports, tiers)
+        plan = plan_recovery(faults, world, self._replicas(reports), tiers,
+                             self._spares(), RecoveryPolicy.from_config(
+                                 self.cfg.spares, self.cfg.recovery, self.recoveries), time.time())
+        self.events.emit("plan", generation=plan.generation, restore_step=plan.restore_step,
+                         actions=[type(a).__name__ for a in plan.actions], reason=plan.reason)
+        if plan.restore_step < 0 and not plan.aborted:
+            plan = dataclasses.replace(plan, actions=(Abort(
+                f"{plan.reason}: no step is committed in memory or complete in a tier, so "
+                "there is nothing to roll back to; persist earlier (tiers.disk.every_steps)"),))
+        if plan.waiting and not plan.aborted:
+            self._park(list(faults), plan)
+            return
+        if plan.aborted:
+            self.phases.transition(Phase.FAILED, plan.reason)
+            raise PlanInfeasible(plan.reason)
+        self.waiting = None
+        self.holders_before[plan.generation] = {
+            int(r): list(h) for r, h in self.placement.holders.items()} if self.placement else {}
+        self.phases.transition(Phase.FENCING, f"generation {plan.generation}")
+        self._fence(plan, reports, slots)
+        self.phases.transition(Phase.PROMOTING, "plan published")
+        self._promote(plan, slots, faults)
+        self.place(slots)
+        self.phases.transition(Phase.RESTORING, "workers started")
+        self.recoveries += 1
+        newest = max([plan.restore_step, *(max(steps) for report in reports.values()
+                                           for steps in report.local.values() if steps),
+                      *reached])
+        self.pending = Recovery(plan.generation, plan.restore_step, root.observed_at, root,
+                                {"detect": detect_s}, plan.reason, fault_wall,
+                                max(0, newest - plan.restore_step), phase_start)
+
+    def _reached(self, slots: Mapping[int, RankSlot]) -> list[int]:
+        """The steps the ranks had completed when the fault struck (their member records):
+        what a rollback makes them compute again, snapshotted or not."""
+        workers = {slot.worker_id for slot in slots.values()}
+        try:
+            members = self.membership.members()
+        except Exception as exc:  # etcd unreachable: the keepers' newest steps must do
+            log.warning("event=members_unreadable error=%r", exc)
+            return []
+        return [m.step for m in members.values() if m.rank >= 0 and m.worker_id in workers]
+
+    def _park(self, faults: list[FaultReport], plan: RecoveryPlan) -> None:
+        needed = len({rank for fault in faults for rank in fault.ranks})
+        if self.waiting is None:
+            wait = next(a for a in plan.actions if isinstance(a, WaitForCapacity))
+            self.waiting = Waiting(faults, self.clock() + max(0.0, wait.deadline_s - time.time()),
+                                   plan.reason, needed)
+            self.events.emit("waiting_for_capacity", reason=plan.reason, spares_needed=needed,
+                             wait_timeout_s=self.cfg.spares.wait_timeout_s)
+        self.waiting.faults, self.waiting.needed = faults, needed
+        self.waiting.next_try = self.clock() + WAIT_RETRY_S
+        self.phases.transition(Phase.DEGRADED, plan.reason)
+        if self.pool is not None:      # replacements start as the cluster has room
+            self.pool.refill(sorted(self.live_nodes), at_least=needed)
+
+    def fresh(self, faults: Sequence[FaultReport]) -> list[FaultReport]:
+        """``faults`` less those a parked recovery already covers: a dead worker is observed
+        again at every poll until its rank is placed, and later as a lost lease too."""
+        if self.waiting is None:
+            return list(faults)
+        ranks = {rank for fault in self.waiting.faults for rank in fault.ranks}
+        nodes = {f.node for f in self.waiting.faults if f.kind is FaultKind.NODE_DIED}
+        return [f for f in faults if not set(f.ranks) <= ranks
+                or (f.kind is FaultKind.NODE_DIED and f.node not in nodes)]
+
+    def retry(self, slots: dict[int, RankSlot]) -> None:
+        """Called every poll: plan a parked recovery again once a spare is warm; past the
+        deadline, fail the job (``PlanInfeasible``) naming what it waited for."""
+        waiting = self.waiting
+        if waiting is None or self.clock() < waiting.next_try:
+            return
+        if self.clock() > waiting.deadline:
+            self.phases.transition(Phase.FAILED, "no capacity before the deadline")
+            raise PlanInfeasible(f"{waiting.reason}; none came within spares.wait_timeout_s="
+                                 f"{self.cfg.spares.wait_timeout_s}")
+        if len(self._spares().spares) >= waiting.needed:
+            self.recover(waiting.faults, slots, replay=True)
+        else:
+            waiting.next_try = self.clock() + WAIT_RETRY_S
+
+    def _world(self, slots: dict[int, RankSlot], reports: Mapping[str, KeeperReport],
+               tiers: TierInventory) -> WorldView:
+        """The committed step is the newest of: the tracked commit point, the newest step
+        every rank has in a live keeper, and the newest complete tier step."""
+        ranks = sorted(slots)
+        return WorldView(
+            generation=self.generation, world_size=self.cfg.job.world_size,
+            rank_workers={r: slots[r].worker_id for r in ranks},
+            worker_nodes={slots[r].worker_id: node_name(slots[r].node) for r in ranks},
+            live_nodes=frozenset(node_name(n) for n in self.live_nodes),
+            committed_step=max(self.committed(), committed_step(reports, ranks, 0),
+                               *(max(steps) for steps in tiers.complete_steps.values() if steps)))
+
+    def _fresh_reports(self) -> dict[str, KeeperReport]:
+        """What every live keeper holds right now (etcd reports may be a heartbeat old)."""
+        live = {n: self.keepers[n] for n in self.live_nodes if n in self.keepers}
+        refs = {n: (actor.holdings.remote(), actor.stats.remote()) for n, (actor, _) in live.items()}
+        reports = {}
+        for node, (holdings_ref, stats_ref) in refs.items():
+            try:
+                holdings, stats = ray.get([holdings_ref, stats_ref], timeout=10)
+            except Exception as exc:  # a keeper that does not answer holds nothing usable
+                self.events.emit("keeper_unreachable", node=node_name(node),
+                                 error=str(exc).splitlines()[0][:200])
+                if isinstance(exc, RayActorError):  # its node (and memory) is gone
+                    self._forget_node(node_name(node))
+                continue
+            reports[node_name(node)] = report_from_keeper(node_name(node), live[node][1],
+                                                          holdings, stats, self.generation)
+        return reports
+
+    @staticmethod
+    def _replicas(reports: Mapping[str, KeeperReport]) -> ReplicaMap:
+        holdings: dict[int, dict[str, set[int]]] = {}
+        for node, report in reports.items():
+            for source in (report.local, report.replicas):
+                for rank, steps in source.items():
+                    holdings.setdefault(rank, {}).setdefault(node, set()).update(steps)
+        return ReplicaMap.of(holdings)
+
+    def _tiers(self) -> TierInventory:
+        from phalanx.launcher.keeper_actor import build_tiers
+
+        steps = {}
+        for tier, _, _ in build_tiers(self.cfg, self.run_dir):
+            try:
+                steps[tier.name] = tuple(tier.committed_steps())
+            except Exception as exc:  # an unreachable tier offers no checkpoint
+                self.events.emit("tier_unreachable", tier=tier.name, error=repr(exc))
+        return TierInventory(steps)
+
+    def _spares(self) -> SpareInventory:
+        if self.pool is None:
+            return SpareInventory({})
+        return SpareInventory({s: node_name(n) for s, n in self.pool.inventory(self.live_nodes).items()})
+
+    def _forget_node(self, node: str) -> None:
+        index = int(node.removeprefix("node"))
+        self.live_nodes.discard(index)
+        if self.pool is not None:
+            self.pool.forget_node(index)
+
+    # -- acting on the plan ------------------------------------------------------------
+    def _fence(self, plan: RecoveryPlan, reports: Mapping[str, KeeperReport],
+               slots: dict[int, RankSlot]) -> None:
+        """Publish plan/<g>, then move ``generation`` by compare-and-swap (the fence)."""
+        worker_plan = self.worker_plan(plan, reports)
+        self.membership.put(plan_key(plan.generation), worker_plan.to_json())
+        current = self.membership.get(GENERATION_KEY)
+        expected = current.mod_revision if current is not None else 0
+        if current is not None and int(current.value) != self.generation:
+            raise PlanInfeasible(f"generation moved to {int(current.value)} under us: "
+                                 "another coordinator is active")
+        if not self.membership.compare_and_swap(GENERATION_KEY, expected,
+                                                str(plan.generation).encode()):
+            raise PlanInfeasible("lost the generation compare-and-swap: another coordinator")
+        self.generation = plan.generation
+        self._current_plan = worker_plan
+
+    def worker_plan(self, plan: RecoveryPlan, reports: Mapping[str, KeeperReport]) -> GenerationPlan:
+        """The worker-facing plan: per rank its worker and restore sources in ladder order."""
+        chosen: dict[int, dict[str, Any]] = {}
+        peers: dict[int, dict[str, Any]] = {}    # phalanx.runtime.consistency.repair sources
+        for action in plan.actions:
+            match action:
+                case RepairFromPeer(rank=rank, peer=peer, node=node):
+                    peers[rank] = {**self._keeper_source(str(node)), "kind": "peer",
+                                   "rank": int(peer),
+                                   "objects": list(self.cfg.detection.replicated_state)}
+                case RestoreFromKeeper(rank=rank, node=node):
+                    chosen[rank] = self._keeper_source(str(node))
+                case RestoreFromTier(rank=rank, tier=tier):
+                    chosen[rank] = self._tier_source(tier)
+                case PromoteSpare() | RestartWorker() | Rollback() | WaitForCapacity() | Abort():
+                    pass
+        ranks = {}
+        for rank, worker in plan.rank_workers.items():
+            sources = [chosen[rank]] if rank in chosen else []
+            sources += [peers[rank]] if rank in peers else []
+            for node in holders_of(reports, rank, plan.restore_step):
+                source = self._keeper_source(node)
+                if source not in sources:
+                    sources.append(source)
+            for tier in ("disk", "s3"):
+                source = self._tier_source(tier)
+                if source is not None and source not in sources:
+                    sources.append(source)
+            ranks[int(rank)] = RankAssignment(str(worker), tuple(s for s in sources if s))
+        return GenerationPlan(plan.generation, self.cfg.job.world_size, plan.restore_step,
+                              ranks, plan.reason, self.store_address)
+
+    def _keeper_source(self, node: str) -> dict[str, Any]:
+        index = int(node.removeprefix("node"))
+        host, port = self.keepers[index][1]
+        return {"kind": "keeper", "node": node, "host": host, "port": int(port)}
+
+    def _tier_source(self, tier: str) -> dict[str, Any] | None:
+        if tier == "disk" and self.cfg.tiers.disk.enabled:
+            return {"kind": "tier", "tier": "disk",
+                    "path": str(disk_tier_root(self.cfg, self.run_dir))}
+        if tier == "s3" and self.cfg.tiers.s3.enabled:
+            from dataclasses import asdict
+
+            return {"kind": "tier", "tier": "s3", "config": asdict(self.cfg.tiers.s3)}
+        return None
+
+    def _promote(self, plan: RecoveryPlan, slots: dict[int, RankSlot],
+                 faults: Sequence[FaultReport]) -> None:
+        fenced = {r for f in faults if f.kind in (FaultKind.STALLED, FaultKind.LEASE_LOST,
+                                                  FaultKind.PARTITIONED,
+                                                  FaultKind.WORKER_EXCEPTION) for r in f.ranks}
+        for rank in fenced:  # a hung, cut-off or failed rank must die so it never acts again
+            with contextlib.suppress(Exception):
+                ray.kill(slots[rank].actor, no_restart=True)
+        restore = {"step": plan.restore_step}
+        worker_plan = self._current_plan
+        for action in plan.actions:
+            match action:
+                case PromoteSpare(spare=spare_id, rank=rank, node=node):
+                    assert self.pool is not None
+                    spare = self.pool.take(str(spare_id))
+                    slot = RankSlot(rank, str(spare_id), spare.node, spare.actor,
+                                    name=spare.name)
+                case RestartWorker(rank=rank, node=node):
+                    slot = RankSlot(rank, str(plan.rank_workers[rank]),
+                                    int(str(node).removeprefix("node")), None)
+                case _:
+                    continue
+            sources = list(worker_plan.ranks[rank].sources)
+            slot.ref = self.launch(slot, plan.generation, {**restore, "sources": sources})
+            slots[rank] = slot
+            self.events.emit("promoted", rank=rank, worker=slot.worker_id,
+                             node=node_name(slot.node), generation=plan.generation)
+
+    # -- resuming ----------------------------------------------------------------------
+    def check_resumed(self, members: Mapping[str, MemberRecord]) -> dict[str, Any] | None:
+        """When every rank has finished a step in the new generation: the recovery record."""
+        pending = self.pending
+        if pending is None:
+            return None
+        ranks = {m.rank: m for m in members.values() if m.rank >= 0
+                 and m.generation == pending.generation and m.step > pending.restore_step
+                 and float(m.extra.get("first_step_at") or 0) > 0}
+        if len(ranks) < self.cfg.job.world_size:
+            return None
+        if self.phases.phase is Phase.RESTORING:
+            self.phases.transition(Phase.RESUMING, "ranks rejoined")
+        self.phases.transition(Phase.STEADY, f"generation {pending.generation} stepping")
+        first_step = max(float(m.extra["first_step_at"]) for m in ranks.values())
+        phases = dict(pending.phases)
+        for change in self.phases.history[pending.phase_start + 1:]:
+            phases[change.from_phase.value] = round(change.duration_s, 4)
+        record = {"generation": pending.generation, "restore_step": pending.restore_step,
+                  "first_step_at": first_step,
+                  "fault": pending.root.kind.value, "ranks": list(pending.root.ranks),
+                  "fault_to_first_step_s": round(first_step - pending.fault_wall, 3),
+                  "lost_steps": pending.lost_steps, "phases_s": phases,
+                  "reason": pending.plan_reason}
+        self.history.append(record)
+        self.events.emit("recovered", **record)
+        self.pending = None
+        if self.pool is not None:  # refilled after the recovery, not competing with it
+            self.pool.refill(sorted(self.live_nodes))
+        return record

@@ -1,0 +1,169 @@
+"""Turns what the launcher observes each poll into detection signals: finished or failed
+worker calls (Ray), vanished member leases (etcd), dead Ray nodes, and progress samples."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from phalanx.configs.errors import WorkerFailed
+from phalanx.launcher.coordination.coordinator import RankSlot
+from phalanx.launcher.keeper_actor import node_name
+from phalanx.launcher.coordination.node_watch import NodeWatch
+from phalanx.launcher.services.ray_cluster import node_indices
+from phalanx.launcher.coordination.replica_check import ReplicaCheck
+from phalanx.recovery.detection import (ActorDied, CollectiveError, LeaseLost, NodeLost, Progress,
+                                        Signal, WorkerRaised)
+from phalanx.runtime.base import MemberRecord
+
+log = logging.getLogger(__name__)
+FINISH_GRACE_S = 0.5
+
+
+@dataclass
+class PollResult:
+    signals: list[Signal] = field(default_factory=list)
+    finished: dict[int, Any] = field(default_factory=dict)
+    progress: list[Progress] = field(default_factory=list)
+
+
+class Monitor:
+    """Owned by the launcher's main thread."""
+
+    def __init__(self, nodes: int, node_check_s: float = 0.25,
+                 watch: NodeWatch | None = None, collective_grace_s: float = 2.0,
+                 on_exception: str = "replace") -> None:
+        self._nodes = nodes
+        self._on_exception = on_exception
+        self._raised_at: set[tuple[int, int]] = set()   # (rank, step) that raised once
+        self._raised_refs: set[Any] = set()             # calls already reported as raised
+        self._watch = watch
+        self._collective_grace_s = collective_grace_s
+        self._collective: dict[tuple[str, int], float] = {}  # (worker, generation) → seen
+        self._node_check_s = node_check_s
+        self._last_node_check = 0.0
+        self._seen: dict[str, MemberRecord] = {}
+        self._vanished: dict[str, float] = {}
+        self._dead_nodes: set[int] = set()
+        self._replicas = ReplicaCheck()
+
+    def poll(self, slots: Mapping[int, RankSlot], done_ranks: set[int],
+             members: Mapping[str, MemberRecord], timeout_s: float,
+             finished: Callable[[], set[str]] = set, leases_trusted: bool = True) -> PollResult:
+        """One poll. ``leases_trusted`` False (etcd unreachable or just back): a vanished
+        member key is no signal yet; its timer starts once keys are trusted again."""
+        result = PollResult()
+        active = {slot.ref: slot for rank, slot in slots.items()
+                  if rank not in done_ranks and slot.ref is not None
+                  and slot.ref not in self._raised_refs}
+        ready, _ = ray.wait(list(active), num_returns=len(active), timeout=timeout_s) \
+            if active else ([], [])
+        now = time.monotonic()
+        for ref in ready:
+            slot = active[ref]
+            try:
+                result.finished[slot.rank] = ray.get(ref)
+            except RayTaskError as exc:
+                self._raised_refs.add(ref)
+                result.signals.append(self._raised(_worker_error(exc, slot.rank), slot,
+                                                   members, now))
+            except RayActorError as exc:
+                result.signals.append(ActorDied(slot.worker_id, now, str(exc).splitlines()[0]))
+        self._lease_signals(slots, done_ranks | set(result.finished), members, now, result,
+                            finished, leases_trusted)
+        self._node_signals(now, result)
+        for record in members.values():
+            if record.rank >= 0 and slots.get(record.rank) and \
+                    slots[record.rank].worker_id == record.worker_id:
+                result.progress.append(Progress(record.rank, record.step, now))
+                self._collective_signal(record, now, result)
+        current = [r for r in members.values() if r.rank >= 0 and slots.get(r.rank)
+                   and slots[r.rank].worker_id == r.worker_id]
+        corruption = self._replicas.poll(current, len(slots), now)
+        if corruption is not None:
+            result.signals.append(corruption)
+        return result
+
+    def _raised(self, error: WorkerFailed, slot: RankSlot,
+                members: Mapping[str, MemberRecord], now: float) -> WorkerRaised:
+        """A rank whose entrypoint raised becomes a fault to recover from, unless
+        ``recovery.on_worker_exception`` is fail or it raised at this step before (a bug
+        that replays, not a fault): then the job fails with the worker's traceback."""
+        record = members.get(slot.worker_id)
+        key = (slot.rank, record.step if record is not None else -1)
+        if self._on_exception == "fail" or key in self._raised_at:
+            raise error
+        self._raised_at.add(key)
+        return WorkerRaised(slot.rank, f"{error.message}\n{error.traceback_text}", now)
+
+    def _collective_signal(self, record: MemberRecord, now: float, result: PollResult) -> None:
+        """A rank that reports its group failed in its current generation, still so after
+        ``collective_grace_s`` (a recovery would have moved it on), is a signal."""
+        error = record.extra.get("collective_error")
+        if not isinstance(error, dict) or error.get("generation") != record.generation:
+            return
+        key = (record.worker_id, record.generation)
+        first = self._collective.setdefault(key, now)
+        if first >= 0 and now - first >= self._collective_grace_s:
+            self._collective[key] = -1.0       # reported once
+            result.signals.append(CollectiveError(record.rank, first, str(error.get("detail")),
+                                                  record.generation))
+
+    def _lease_signals(self, slots: Mapping[int, RankSlot], done: set[int],
+                       members: Mapping[str, MemberRecord], now: float, result: PollResult,
+                       finished: Callable[[], set[str]], trusted: bool = True) -> None:
+        """A worker whose member key vanished while its call still runs lost its lease (a
+        frozen or partitioned process). A finishing worker leaves etcd a moment before its
+        call returns, so a vanished key becomes a fault only after ``FINISH_GRACE_S``."""
+        current = {slot.worker_id: slot for rank, slot in slots.items() if rank not in done}
+        if not trusted:           # etcd down or just back: no vanished key counts yet
+            self._vanished.clear()
+        for worker_id, record in list(self._seen.items()) if trusted else []:
+            if worker_id in members or worker_id not in current:
+                self._vanished.pop(worker_id, None)
+                continue
+            if record.extra.get("state") == "finished":
+                continue
+            since = self._vanished.setdefault(worker_id, now)
+            if now - since >= FINISH_GRACE_S and worker_id not in finished():
+                result.signals.append(LeaseLost(worker_id, since))
+                del self._seen[worker_id]
+                self._vanished.pop(worker_id, None)
+        self._seen.update({w: r for w, r in members.items() if w in current})
+
+    def _node_signals(self, now: float, result: PollResult) -> None:
+        if self._watch is not None:     # a node whose keeper and raylet both refuse
+            for index, ended in self._watch.drain():
+                if index not in self._dead_nodes:
+                    self._dead_nodes.add(index)
+                    result.signals.append(NodeLost(node_name(index), ended))
+        if now - self._last_node_check < self._node_check_s:
+            return
+        self._last_node_check = now
+        alive = set()
+        for node in ray.nodes():
+            if node.get("Alive"):
+                alive.update(node_indices(node, self._nodes))
+        for index in range(self._nodes):
+            if index not in alive and index not in self._dead_nodes:
+                self._dead_nodes.add(index)
+                result.signals.append(NodeLost(node_name(index), now))
+
+    @property
+    def watch(self) -> NodeWatch | None:
+        """The keeper connection watch, if the launcher holds one."""
+        return self._watch
+
+    def forget(self, worker_id: str) -> None:
+        self._seen.pop(worker_id, None)
+
+
+def _worker_error(exc: RayTaskError, rank: int) -> WorkerFailed:
+    cause = exc.cause if isinstance(exc.cause, BaseException) else None
+    if isinstance(cause, WorkerFailed):
+        return cause
+    return WorkerFailed(rank, str(exc).splitlines()[0], str(exc))

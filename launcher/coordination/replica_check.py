@@ -1,0 +1,56 @@
+"""The launcher's side of cross-replica verification (``detection.compare_replicas``): reads
+the replica status each rank publishes in its member record (``phalanx.runtime.consistency.digest``)
+and turns a divergence that every rank of the current generation reports into one
+``SilentCorruption`` signal, carrying each rank's digest of the diverged step for the
+majority vote that names the corrupted rank(s)."""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from phalanx.recovery.detection import SilentCorruption
+from phalanx.runtime.base import MemberRecord
+from phalanx.runtime.consistency.digest import ReplicaStatus
+
+log = logging.getLogger(__name__)
+
+
+def corruption_signal(records: Iterable[MemberRecord], world_size: int,
+                      now: float) -> SilentCorruption | None:
+    """A ``SilentCorruption`` when the current ``records`` (one per rank) all report a
+    divergence at the same step in the generation they run in; None otherwise (no rank
+    compares, some rank has not found it yet, or they disagree on where: wait a poll)."""
+    found: dict[int, tuple[ReplicaStatus, int]] = {}
+    for record in records:
+        status = ReplicaStatus.from_extra(record.extra)
+        if status is not None and record.rank >= 0:
+            found[record.rank] = (status, record.generation)
+    if len(found) < world_size:
+        return None
+    diverged = {rank: (s.diverged, generation) for rank, (s, generation) in found.items()}
+    if any(d is None or d[2] != generation for d, generation in diverged.values()):
+        return None
+    places = {(d[0], d[2]) for d, _ in diverged.values() if d is not None}
+    if len(places) != 1:
+        return None
+    step, generation = places.pop()
+    digests = tuple(sorted((rank, d[1]) for rank, (d, _) in diverged.items() if d is not None))
+    verified = max(s.verified for s, _ in found.values())
+    return SilentCorruption(step, verified, digests, generation, now)
+
+
+class ReplicaCheck:
+    """Owned by the launcher's ``Monitor`` (main thread): each divergence is signalled once."""
+
+    def __init__(self) -> None:
+        self._reported: set[tuple[int, int]] = set()     # (generation, step)
+
+    def poll(self, records: Iterable[MemberRecord], world_size: int,
+             now: float) -> SilentCorruption | None:
+        signal = corruption_signal(records, world_size, now)
+        if signal is None or (signal.generation, signal.step) in self._reported:
+            return None
+        self._reported.add((signal.generation, signal.step))
+        log.error("event=sdc_signal step=%d verified=%d generation=%d digests=%s", signal.step,
+                  signal.verified_step, signal.generation, dict(signal.digests))
+        return signal

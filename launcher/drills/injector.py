@@ -1,0 +1,130 @@
+"""Fires drill faults into the live job from the launcher's main thread: a scenario's faults
+when their trigger is due, and faults ``phalanx drill inject`` wrote to etcd; runs the
+actions mechanisms defer (a SIGCONT, a link healed) when they are due."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, Mapping
+
+from phalanx.configs.errors import ConfigError, MembershipUnavailable
+from phalanx.launcher.drills.scenario import Scenario, parse_fault, probability_step
+from phalanx.launcher.drills.catalogue import FaultEnv, FaultSpec, catalogue
+from phalanx.runtime.base import MemberRecord, Membership
+
+log = logging.getLogger(__name__)
+INJECT_PREFIX = "drills/inject/"
+INJECT_POLL_S = 0.25      # how often etcd is asked for injected faults
+
+
+class Deferred:
+    """Actions due later, run on the launcher's main thread by ``run_due``."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._due: list[tuple[float, Callable[[], None]]] = []
+
+    def add(self, seconds: float, action: Callable[[], None]) -> None:
+        self._due.append((self._clock() + seconds, action))
+
+    def run_due(self, everything: bool = False) -> None:
+        now = self._clock()
+        ready = [item for item in self._due if everything or item[0] <= now]
+        self._due = [item for item in self._due if not (everything or item[0] <= now)]
+        for _, action in sorted(ready, key=lambda item: item[0]):
+            try:
+                action()
+            except Exception as exc:  # one failed undo must not stop the others or the job
+                log.warning("event=drill_deferred_failed error=%r", exc)
+
+
+class Injector:
+    """Owned by the launcher's main thread; ``poll`` once per monitor poll."""
+
+    def __init__(self, scenario: Scenario | None, env: FaultEnv, membership: Membership,
+                 deferred: Deferred, clock: Callable[[], float] = time.monotonic) -> None:
+        self._pending = list(scenario.faults) if scenario else []
+        self._when = {spec.index: _due_step(spec) for spec in self._pending}
+        self._env = env
+        self._membership = membership
+        self._deferred = deferred
+        self._clock = clock
+        self._first_step_at: float | None = None
+        self._injected = 0
+        self._next_inject_poll = 0.0
+        self.fired: list[dict[str, Any]] = []
+
+    def poll(self, members: Mapping[str, MemberRecord]) -> None:
+        self._deferred.run_due()
+        furthest = max((m.step for m in members.values() if m.rank >= 0), default=-1)
+        now = self._clock()
+        if self._first_step_at is None and furthest >= 1:
+            self._first_step_at = now
+        for spec in list(self._pending):
+            if self._due(spec, furthest, now):
+                self._pending.remove(spec)
+                self.fire(spec, furthest)
+        if now >= self._next_inject_poll:
+            self._next_inject_poll = now + INJECT_POLL_S
+            self._poll_injected(furthest)
+
+    def _due(self, spec: FaultSpec, furthest: int, now: float) -> bool:
+        if spec.at_time_s is not None:
+            return self._first_step_at is not None and now - self._first_step_at >= spec.at_time_s
+        step = self._when[spec.index]
+        return step is not None and furthest >= step
+
+    def fire(self, spec: FaultSpec, step: int, origin: str = "scenario") -> dict[str, Any]:
+        """Inject ``spec`` now; the ``drill_fault`` event records what its mechanism did."""
+        mechanism = catalogue()[spec.kind]
+        record: dict[str, Any] = {"index": spec.index, "kind": spec.kind,
+                                  "family": mechanism.family, "target": spec.target_text(),
+                                  "trigger": spec.trigger_text(), "step": step,
+                                  "origin": origin, "params": dict(spec.params)}
+        if mechanism.ends_launcher:      # its event first: this process ends in fire()
+            self._env.emit("drill_fault", **record, details={"pid": os.getpid()})
+        try:
+            record["details"] = dict(mechanism.fire(spec, self._env))
+        except Exception as exc:  # a fault that could not be injected is reported, not hidden
+            record["details"] = {"error": f"{type(exc).__name__}: {exc}"}
+            log.warning("event=drill_fault_failed kind=%s error=%r", spec.kind, exc)
+        self.fired.append(record)
+        self._env.emit("drill_fault", **record)
+        return record
+
+    def _poll_injected(self, furthest: int) -> None:
+        """Faults another process put under ``drills/inject/`` (``phalanx drill inject``);
+        etcd unreachable (an etcd_restart drill): asked again at the next poll."""
+        try:
+            injected = self._membership.list_prefix(INJECT_PREFIX)
+        except MembershipUnavailable as exc:
+            log.info("event=drill_inject_poll_failed error=%s", exc)
+            return
+        for kv in injected:
+            self._membership.delete(kv.key)
+            self._injected += 1
+            index = 1000 + self._injected
+            try:
+                spec = parse_fault(json.loads(kv.value), f"inject {kv.key}", "drill inject", index)
+            except (ConfigError, ValueError) as exc:
+                self._env.emit("drill_inject_refused", key=kv.key, error=str(exc))
+                continue
+            if spec.at_step is not None and furthest < spec.at_step:
+                self._pending.append(spec)     # "at step N" still ahead: wait for it
+                self._when[spec.index] = spec.at_step
+            else:
+                self.fire(spec, furthest, origin="inject")
+
+    def close(self) -> None:
+        """Undo what is still deferred (resume stopped processes, heal links)."""
+        self._deferred.run_due(everything=True)
+
+
+def _due_step(spec: FaultSpec) -> int | None:
+    if spec.at_step is not None:
+        return spec.at_step
+    if spec.probability is not None:
+        return probability_step(spec)
+    return None

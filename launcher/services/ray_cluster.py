@@ -1,0 +1,258 @@
+"""The local Ray the launcher starts when ``ray.address`` is empty: one head raylet that
+hosts the control plane and the driver, plus ``virtual_nodes`` raylets each offering the
+resource ``phalanx_node_<i>``, so node loss can be drilled on one machine."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray  # the package __init__ set Ray's environment before this import
+from ray._private import ray_constants
+from ray.cluster_utils import Cluster
+
+from phalanx.configs.errors import ServiceStartError
+from phalanx.configs.schema import RayConfig
+
+log = logging.getLogger(__name__)
+
+NODE_RESOURCE = "phalanx_node_{}"
+# Amount of the node resource each virtual node offers; an actor asks for a sliver of it.
+NODE_RESOURCE_UNITS = 1000
+
+
+def ray_address_dir() -> Path:
+    """Where Ray writes its ``ray_current_cluster`` address file whatever the cluster's own
+    temp dir: ``<system temp dir>/ray``. Ray never creates that folder, so on a machine that
+    never ran Ray (a fresh CI machine, a fresh ``TMPDIR``) every start fails without it."""
+    try:
+        from ray._common.utils import get_default_ray_temp_dir
+        return Path(get_default_ray_temp_dir())
+    except ImportError:  # moved between Ray versions: Ray's own rule, written out
+        return Path(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp") / "ray"
+
+
+def node_resource(index: int) -> str:
+    return NODE_RESOURCE.format(index)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` in the process tree (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited while we looked
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found.extend(below)
+        frontier.extend(below)
+    return found
+
+
+def node_indices(node: dict[str, Any], count: int) -> list[int]:
+    """The virtual node indices a ``ray.nodes()`` entry offers (by its resources)."""
+    return [i for i in range(count) if node_resource(i) in node.get("Resources", {})]
+
+
+def raylet_addresses(count: int) -> dict[int, tuple[str, int]]:
+    """Node index → (host, port) of its live raylet, from Ray's node table."""
+    found = {}
+    for node in ray.nodes():
+        if node.get("Alive") and node.get("NodeManagerPort"):
+            for index in node_indices(node, count):
+                found[index] = (node["NodeManagerAddress"], int(node["NodeManagerPort"]))
+    return found
+
+
+class LocalRay:
+    """Owns a local multi-raylet Ray cluster and this process's driver connection.
+
+    ``start()`` raises ``ServiceStartError``; ``close()`` stops every raylet and removes
+    the Ray temp dir. ``remove_node(i)`` kills virtual node ``i`` (drills).
+    """
+
+    def __init__(self, cfg: RayConfig, log_to_driver: bool = True,
+                 namespace: str | None = None) -> None:
+        self._cfg = cfg
+        self._log_to_driver = log_to_driver
+        self._namespace = namespace
+        self._cluster: Cluster | None = None
+        self._nodes: dict[int, Any] = {}
+        self._temp_dir: Path | None = None
+
+    @property
+    def address(self) -> str:
+        assert self._cluster is not None, "LocalRay not started"
+        return self._cluster.address
+
+    @property
+    def node_count(self) -> int:
+        return len(self._nodes)
+
+    def start(self) -> "LocalRay":
+        """Start the cluster; one more attempt from scratch when Ray's own start-up times
+        out (seen on a loaded 2-core machine: the GCS misses a node-info deadline)."""
+        for attempt in (1, 2):
+            try:
+                return self._start_once()
+            except ServiceStartError as exc:
+                if attempt == 2:
+                    raise
+                log.warning("event=ray_start_retry error=%s", str(exc).splitlines()[0][:200])
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "LocalRay":
+        # Ray's unix socket paths must stay short: a private dir directly under /tmp.
+        self._temp_dir = Path(tempfile.mkdtemp(prefix="phx-ray-", dir="/tmp"))
+        ray_address_dir().mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        try:
+            self._cluster = Cluster(initialize_head=True, connect=False,
+                                    head_node_args=self._head_args())
+            # connect while the head is the only raylet on 127.0.0.1, so the driver attaches
+            # to it and not to whichever virtual node answers first
+            ray.init(address=self._cluster.address, log_to_driver=self._log_to_driver,
+                     namespace=self._namespace,
+                     _node_ip_address="127.0.0.1", logging_level=logging.WARNING,
+                     configure_logging=False, include_dashboard=False)
+            for index in range(self._cfg.virtual_nodes):
+                # one raylet at a time: each starts its own agents, and starting them all at
+                # once on a 2-core machine can starve the GCS past Ray's start-up deadlines
+                self._nodes[index] = self._cluster.add_node(wait=True, **self._node_args(index))
+            self._cluster.wait_for_nodes(timeout=60)
+        except Exception as exc:  # process boundary: any Ray failure becomes one typed error
+            self.close()
+            raise ServiceStartError(f"local Ray did not start: {exc}") from exc
+        log.info("event=ray_started nodes=%d seconds=%.2f address=%s", self._cfg.virtual_nodes,
+                 time.monotonic() - started, self._cluster.address)
+        return self
+
+    def _head_args(self) -> dict[str, Any]:
+        return {
+            "num_cpus": 0, "temp_dir": str(self._temp_dir), "include_dashboard": False,
+            "object_store_memory": self._cfg.object_store_mb * 1024 * 1024,
+            "node_ip_address": "127.0.0.1",
+            "_system_config": {
+                "health_check_period_ms": self._cfg.health_check_period_ms,
+                "health_check_failure_threshold": self._cfg.health_check_failure_threshold,
+                "health_check_initial_delay_ms": 0,
+                "health_check_timeout_ms": self._cfg.health_check_timeout_ms,
+            },
+        }
+
+    def _node_args(self, index: int) -> dict[str, Any]:
+        return {"num_cpus": self._cfg.cpus_per_node, "node_ip_address": "127.0.0.1",
+                "resources": {node_resource(index): NODE_RESOURCE_UNITS},
+                "object_store_memory": self._cfg.object_store_mb * 1024 * 1024}
+
+    def node_pids(self, index: int) -> list[int]:
+        """The raylet of virtual node ``index`` and every process below it."""
+        node = self._nodes.get(index)
+        if node is None:
+            return []
+        raylets = [info.process.pid for info in
+                   node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])]
+        return raylets + [pid for raylet in raylets for pid in descendants(raylet)]
+
+    def remove_node(self, index: int) -> None:
+        """Kill virtual node ``index`` at once, as a machine that loses power: SIGKILL to its
+        raylet and, in the same instant, to every process the raylet started (workers,
+        keeper, agents). Ray alone kills only the raylet; its workers then notice within
+        about a second and exit, later than a real node's processes would."""
+        assert self._cluster is not None
+        node = self._nodes.pop(index)
+        raylets = [info.process.pid for info in
+                   node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])]
+        doomed = [pid for raylet in raylets for pid in descendants(raylet)]
+        for pid in raylets + doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._cluster.remove_node(node, allow_graceful=False)
+        log.info("event=ray_node_removed node=%d processes=%d", index, len(raylets + doomed))
+
+    def close(self) -> None:
+        """Disconnect the driver, stop every raylet, remove the temp dir. Idempotent."""
+        if ray.is_initialized():
+            ray.shutdown()
+        if self._cluster is not None:
+            for index in list(self._nodes):   # every process below each raylet, at once:
+                for pid in self.node_pids(index):   # one cut off (a drill) may not exit
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            try:
+                for node in list(self._cluster.worker_nodes):
+                    self._cluster.remove_node(node, allow_graceful=False)
+                self._cluster.shutdown()
+            except Exception as exc:  # best effort at teardown; report, never mask the cause
+                log.warning("event=ray_shutdown_error error=%r", exc)
+            self._cluster = None
+            self._nodes.clear()
+        try:
+            ray._private.utils.reset_ray_address()
+        except Exception:  # noqa: BLE001 - helper moved between Ray versions
+            pass
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
+
+    def keep_logs(self, dest: Path, tail_bytes: int = 1 << 20) -> list[Path]:
+        """Copy the tails of the raylets' and the GCS's logs to ``dest`` (the temp dir with
+        the originals goes at ``close``): why Ray declared a node dead, or a raylet died."""
+        if self._temp_dir is None:
+            return []
+        kept = []
+        for log_file in sorted(self._temp_dir.glob("session_latest/logs/*")):
+            if not log_file.is_file() or not log_file.name.startswith(("raylet", "gcs_server")):
+                continue
+            dest.mkdir(parents=True, exist_ok=True)
+            with log_file.open("rb") as src:
+                src.seek(max(0, log_file.stat().st_size - tail_bytes))
+                (dest / log_file.name).write_bytes(src.read())
+            kept.append(dest / log_file.name)
+        return kept
+
+    def __enter__(self) -> "LocalRay":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m phalanx.launcher.services.ray_cluster``: hold a local multi-raylet Ray for jobs that join
+    it with ``ray.address`` (a standby launcher needs a Ray that outlives the leader).
+    Prints ``{"address": ...}`` as one JSON line, then runs until SIGTERM or Ctrl-C."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m phalanx.launcher.services.ray_cluster")
+    parser.add_argument("--nodes", type=int, default=2, help="virtual nodes")
+    parser.add_argument("--cpus-per-node", type=float, default=4.0)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    cfg = RayConfig(virtual_nodes=args.nodes, cpus_per_node=args.cpus_per_node)
+    with LocalRay(cfg, log_to_driver=False) as cluster:
+        print(json.dumps({"address": cluster.address}), flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

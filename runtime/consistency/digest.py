@@ -1,0 +1,126 @@
+"""Digests of a rank's data-parallel replicated state, and the small integer vector that
+compares them across ranks in one all-reduce (pure: no torch, no I/O).
+
+In a data-parallel job the registered model and optimizer (``detection.replicated_state``)
+are bit-identical on every rank after each step, so the checksums a snapshot computes
+anyway must agree too. A rank's *replica digest* of a step is a 60-bit hash over those
+checksums (and the JSON trees of those objects); silent data corruption on one rank (a
+flipped bit in its parameters) shows as a digest that differs from the other ranks'.
+
+Comparing without gathering every digest: each rank contributes
+
+    [1, s0, s1, s2, d0, d1, d2, s0², s1², s2², d0², d1², d2²]
+
+(``s*`` the 20-bit chunks of the step, ``d*`` those of the digest; zeros when it has no
+digest to offer) and the all-reduce sums them. Values v_1..v_W are all equal exactly when
+W·Σv² = (Σv)² (Cauchy-Schwarz), so from the sums every rank reads the same outcome:
+``agreed`` at the step, ``diverged`` at the step, or ``unknown`` (a rank had no digest, or
+the ranks offered different steps). Sums stay below W·2^40: exact in int64 for any world
+size under 2^23.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Mapping, Sequence
+
+from phalanx.runtime.snapshot.state_tree import escape_segment
+
+REPLICAS_EXTRA = "replicas"      # the member record's ``extra`` key the session fills
+CHUNK_BITS = 20
+CHUNKS = 3                       # 60 bits of step and of digest
+DIGEST_BITS = CHUNK_BITS * CHUNKS
+VECTOR_LEN = 1 + 4 * CHUNKS
+_MASK = (1 << CHUNK_BITS) - 1
+
+
+def replica_digest(sums: Mapping[str, str], spec: Mapping[str, Any],
+                   names: Sequence[str]) -> str | None:
+    """The digest (15 hex digits) over the checksums of the tensors of objects ``names``
+    (a snapshot's ``{tensor name: "<algo>:<hex>"}``) and those objects' tree specs; None
+    when the snapshot holds none of them."""
+    objects = spec.get("objects", {}) if isinstance(spec, Mapping) else {}
+    present = sorted(name for name in set(names) if name in objects)
+    if not present:
+        return None
+    prefixes = {escape_segment(name) for name in present}
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(json.dumps({name: objects[name] for name in present}, sort_keys=True,
+                             separators=(",", ":")).encode())
+    for tensor, checksum in sorted(sums.items()):
+        if tensor.split("/", 1)[0] in prefixes:
+            digest.update(f"\n{tensor}={checksum}".encode())
+    value = int.from_bytes(digest.digest(), "big") & ((1 << DIGEST_BITS) - 1)
+    return f"{value:0{DIGEST_BITS // 4}x}"
+
+
+def _chunks(value: int) -> list[int]:
+    return [(value >> (CHUNK_BITS * i)) & _MASK for i in range(CHUNKS)]
+
+
+def agreement_vector(step: int | None, digest: str | None) -> list[int]:
+    """What one rank adds to the comparison of ``step``: zeros when it has no digest."""
+    if step is None or digest is None:
+        return [0] * VECTOR_LEN
+    values = _chunks(step) + _chunks(int(digest, 16))
+    return [1] + values + [v * v for v in values]
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the summed vectors say about one snapshot step (-1: no step known)."""
+
+    state: Literal["agreed", "diverged", "unknown"]
+    step: int = -1
+
+
+def read_agreement(sums: Sequence[int], world_size: int) -> Agreement:
+    """The outcome of the all-reduce of ``agreement_vector``s over ``world_size`` ranks."""
+    if len(sums) != VECTOR_LEN or int(sums[0]) != world_size or world_size < 1:
+        return Agreement("unknown")
+    plain, squares = sums[1:1 + 2 * CHUNKS], sums[1 + 2 * CHUNKS:]
+    equal = [world_size * int(q) == int(s) * int(s) for s, q in zip(plain, squares)]
+    if not all(equal[:CHUNKS]):           # ranks offered different steps
+        return Agreement("unknown")
+    step = sum((int(s) // world_size) << (CHUNK_BITS * i) for i, s in enumerate(plain[:CHUNKS]))
+    return Agreement("agreed" if all(equal[CHUNKS:]) else "diverged", step)
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One rank's published view (member record ``extra["replicas"]``): the newest step
+    verified job-wide, its recent (step, digest) pairs, and a divergence it found (step,
+    its own digest there, the generation it ran in), if any."""
+
+    verified: int
+    recent: tuple[tuple[int, str], ...] = ()
+    diverged: tuple[int, str, int] | None = None
+
+    def to_extra(self) -> dict[str, Any]:
+        diverged = None if self.diverged is None else {
+            "step": self.diverged[0], "digest": self.diverged[1], "generation": self.diverged[2]}
+        return {"verified": self.verified, "recent": [list(p) for p in self.recent],
+                "diverged": diverged}
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> "ReplicaStatus | None":
+        """The status in a member record's ``extra``; None when absent or malformed."""
+        raw = extra.get(REPLICAS_EXTRA)
+        if not isinstance(raw, Mapping) or type(raw.get("verified")) is not int:
+            return None
+        try:
+            recent = tuple((int(s), str(d)) for s, d in raw.get("recent") or ())
+            found = raw.get("diverged")
+            diverged = None if not isinstance(found, Mapping) else (
+                int(found["step"]), str(found["digest"]), int(found["generation"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        return cls(raw["verified"], recent, diverged)
+
+
+def verified_ceiling(extras: Iterable[Mapping[str, Any]]) -> int | None:
+    """The newest step verified job-wide that any rank publishes (a verified step agreed
+    on every rank, so any rank's word is enough); None when no rank compares replicas."""
+    found = [s.verified for s in map(ReplicaStatus.from_extra, extras) if s is not None]
+    return max(found) if found else None

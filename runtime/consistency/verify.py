@@ -1,0 +1,140 @@
+"""One rank's side of cross-replica verification (``detection.compare_replicas``): digests
+of its replicated state as its snapshots are published, one small all-reduce per snapshot
+step that tells every rank the same outcome, and the newest *verified* step, which the
+rank's keeper must keep until a newer one is verified.
+
+Timeline of one rank, snapshots every N steps (the same steps on every rank):
+
+    boundary b-N: capture(b-N) ... start reduce[ digest(b-2N) ]
+    boundary b:   collect reduce -> verified = b-2N (agreed) or diverged at b-2N
+                  capture(b): its slot claim protects `verified`
+                  start reduce[ digest(b-N) ]     (known: capture(b) waited for its publish)
+
+A verified step is set before the claim that would evict it (it is then the second newest
+snapshot), and stays protected until a newer one is verified; after a divergence it is
+frozen until a rollback, so every rank's keeper holds the step the launcher rolls back to.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from phalanx.configs.errors import ConfigError
+from phalanx.configs.loader import load_config_text
+from phalanx.runtime.context import WorkerContext
+from phalanx.runtime.consistency.digest import (Agreement, ReplicaStatus, agreement_vector,
+                                                read_agreement, replica_digest)
+
+log = logging.getLogger(__name__)
+RECENT = 4           # (step, digest) pairs a member record carries
+KEPT = 16            # digests a rank remembers for the comparisons still to come
+
+
+def replicated_names(ctx: WorkerContext) -> tuple[str, ...]:
+    """``detection.replicated_state`` of the run this worker belongs to (its run
+    directory's ``config.yaml``); () when the job does not compare replicas, or runs
+    standalone or with one rank."""
+    if ctx.standalone_run or ctx.world_size < 2 or not ctx.run_dir:
+        return ()
+    path = Path(ctx.run_dir) / "config.yaml"
+    try:
+        cfg = load_config_text(path.read_text(encoding="utf-8"), source=str(path))
+    except (OSError, ConfigError) as exc:
+        log.warning("event=replica_check_off rank=%d reason=%r", ctx.rank, str(exc)[:200])
+        return ()
+    detection = cfg.detection
+    return tuple(detection.replicated_state) if detection.compare_replicas else ()
+
+
+class ReplicaVerifier:
+    """Owned by the Session: ``collect``/``start``/``note_capture``/``reset`` run on the
+    training thread, ``published`` on the snapshot publishing thread, ``status`` on the
+    heartbeat thread. ``snapshotter`` needs ``protect_step`` and ``on_published``."""
+
+    def __init__(self, names: Sequence[str], world_size: int, generation: int,
+                 snapshotter: Any) -> None:
+        self.names = tuple(names)
+        self._world_size = world_size
+        self._generation = generation
+        self._snapshotter = snapshotter
+        self._lock = threading.Lock()
+        self._digests: dict[int, str] = {}
+        self._recent: deque[tuple[int, str]] = deque(maxlen=RECENT)
+        self._verified = -1
+        self._diverged: tuple[int, str, int] | None = None
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._previous: int | None = None        # the last capture of this generation
+        snapshotter.on_published = self.published
+
+    # -- publishing thread -----------------------------------------------------------
+    def published(self, step: int, sums: Mapping[str, str], spec: Mapping[str, Any]) -> None:
+        digest = replica_digest(sums, spec, self.names)
+        if digest is None:
+            return
+        with self._lock:
+            self._digests[step] = digest
+            for old in sorted(self._digests)[:-KEPT]:
+                del self._digests[old]
+            self._recent.append((step, digest))
+
+    # -- training thread -------------------------------------------------------------
+    def collect(self, wait: Callable[[Any, torch.Tensor], torch.Tensor]) -> Agreement | None:
+        """Read the comparison started at the previous snapshot step (before this step's
+        capture claims a slot); raises what ``wait`` raises (``CollectiveAborted``)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        outcome = read_agreement(wait(*pending).tolist(), self._world_size)
+        if outcome.state == "agreed" and self._diverged is None \
+                and outcome.step > self._verified:
+            self._verified = outcome.step
+            self._snapshotter.protect_step = outcome.step
+        elif outcome.state == "diverged" and self._diverged is None:
+            with self._lock:
+                mine = self._digests.get(outcome.step, "")
+                self._diverged = (outcome.step, mine, self._generation)
+            log.error("event=replicas_diverged step=%d digest=%s verified=%d generation=%d",
+                      outcome.step, mine, self._verified, self._generation)
+        return outcome
+
+    def start(self, step: int, begin: Callable[[torch.Tensor], Any]) -> None:
+        """After the capture of ``step``: compare the previous capture's digest (every
+        rank starts this at the same snapshot steps, so the collectives line up)."""
+        previous, self._previous = self._previous, step
+        with self._lock:
+            digest = None if previous is None else self._digests.get(previous)
+        vector = torch.tensor(agreement_vector(previous, digest), dtype=torch.int64)
+        self._pending = (begin(vector), vector)
+
+    def note_capture(self, step: int) -> None:
+        """A capture outside the snapshot-step rhythm (the first one of a process)."""
+        self._previous = step
+
+    def reset(self, step: int, generation: int) -> None:
+        """After a rollback to ``step``: comparisons start afresh in ``generation``; the
+        verified step stays (still held: a rollback drops only newer steps) unless the
+        rollback went below it."""
+        self._pending, self._previous, self._generation = None, None, generation
+        with self._lock:
+            self._diverged = None
+            for old in [s for s in self._digests if s > step]:
+                del self._digests[old]
+            kept = [pair for pair in self._recent if pair[0] <= step]
+            self._recent.clear()
+            self._recent.extend(kept)
+        if step < self._verified:
+            self._verified = -1
+            self._snapshotter.protect_step = None
+
+    @property
+    def diverged(self) -> bool:
+        return self._diverged is not None
+
+    def status(self) -> ReplicaStatus:
+        with self._lock:
+            return ReplicaStatus(self._verified, tuple(self._recent), self._diverged)

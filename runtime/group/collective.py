@@ -1,0 +1,139 @@
+"""The training collective across generations: all-reduce as async work that is abandoned
+(never destroyed: with gloo that blocks until the group timeout) as soon as a peer fails or
+a newer generation is announced, and re-formed on a fresh ``PrefixStore`` per generation."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from phalanx.configs.errors import TransientError
+from phalanx.runtime.group.process_group import form_group
+
+log = logging.getLogger(__name__)
+_MAX_POLL_S = 0.002
+
+
+class CollectiveAborted(TransientError):
+    """A collective failed (a peer died or hung) or a newer generation began; the step is
+    rolled back and re-run in the next generation."""
+
+
+class Collective:
+    """Owned by the Session on the training thread."""
+
+    def __init__(self, connect: Callable[[], dist.Store], rank: int, world_size: int,
+                 timeout_s: float) -> None:
+        """``connect`` opens a client of the job's TCPStore: one per formation that starts
+        while an abandoned one still blocks its client (a TCPStore client serves one call
+        at a time, so the stuck barrier would hold the next one until its timeout)."""
+        self._connect = connect
+        self._store = connect()
+        self._forming: threading.Thread | None = None
+        self._rank = rank
+        self._world_size = world_size
+        self._timeout_s = timeout_s
+        self._group: dist.ProcessGroup | None = None
+        self._parked: list[dist.ProcessGroup] = []
+        self.generation = -1
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self._group
+
+    def form(self, generation: int, rank: int | None = None, world_size: int | None = None,
+             should_abort: Callable[[], bool] = lambda: False) -> None:
+        """Build ``generation``'s group (a barrier of every rank of that generation).
+
+        The barrier runs on a helper thread while this one polls ``should_abort``: a peer
+        that never comes (its node died before anyone noticed) or a newer generation
+        announced meanwhile raises ``CollectiveAborted`` at once instead of blocking until
+        the group timeout; the half-built group is parked, like an abandoned collective."""
+        if rank is not None:
+            self._rank = rank
+        if world_size is not None:
+            self._world_size = world_size
+        self.abandon()
+        built: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                built["group"] = form_group(self._store, generation, self._rank,
+                                            self._world_size, self._timeout_s)
+            except Exception as exc:  # the thread's boundary: becomes CollectiveAborted
+                built["error"] = exc
+            if "group" in built and built.get("abandoned"):
+                self._parked.append(built["group"])   # formed too late: never destroyed
+
+        if self._forming is not None and self._forming.is_alive():
+            self._store = self._connect()
+        thread = threading.Thread(target=build, name=f"phalanx-form-gen{generation}",
+                                  daemon=True)
+        self._forming = thread
+        thread.start()
+        pause = 0.0005
+        while thread.is_alive():
+            if should_abort():
+                built["abandoned"] = True
+                raise CollectiveAborted(f"a newer generation began while generation "
+                                        f"{generation}'s group was forming")
+            thread.join(pause)
+            pause = min(pause * 2, 0.02)
+        if "error" in built:
+            message = str(built["error"]).splitlines()[0][-200:]
+            raise CollectiveAborted(f"generation {generation}'s group did not form: {message}")
+        self._group = built["group"]
+        self.generation = generation
+
+    def use_store(self, connect: Callable[[], dist.Store]) -> None:
+        """Form later generations on another TCPStore (a standby coordinator took over and
+        hosts its own); the old store's clients are left to close with their groups."""
+        self._connect = connect
+        self._store = connect()
+
+    def abandon(self) -> None:
+        """Park the current group: its sockets stay open and any parked call fails later at
+        its timeout, which nobody waits for."""
+        if self._group is not None:
+            self._parked.append(self._group)
+            self._group = None
+
+    def all_reduce(self, tensor: torch.Tensor, should_abort: Callable[[], bool]) -> torch.Tensor:
+        """Sum ``tensor`` in place; raises ``CollectiveAborted`` on a peer failure or when
+        ``should_abort()`` turns true while waiting."""
+        return self.wait(self.start_all_reduce(tensor), tensor, should_abort)
+
+    def start_all_reduce(self, tensor: torch.Tensor) -> Any:
+        """Begin summing ``tensor`` in place; ``wait`` for the returned work (None in a
+        one-rank job) before reading it. Every rank must start it at the same point."""
+        if self._group is None:
+            if self._world_size == 1:
+                return None
+            raise CollectiveAborted("no process group in this generation yet")
+        try:
+            return self._group.allreduce([tensor])
+        except RuntimeError as exc:
+            raise CollectiveAborted(f"all_reduce could not start: {exc}") from None
+
+    @staticmethod
+    def wait(work: Any, tensor: torch.Tensor, should_abort: Callable[[], bool]) -> torch.Tensor:
+        """``tensor`` once ``work`` completed; raises ``CollectiveAborted`` like
+        ``all_reduce``."""
+        if work is None:
+            return tensor
+        pause = 0.00002
+        while not work.is_completed():
+            if should_abort():
+                raise CollectiveAborted("a newer generation began while waiting on all_reduce")
+            time.sleep(pause)
+            pause = min(pause * 2, _MAX_POLL_S)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            message = str(exc).splitlines()[0][-200:]
+            raise CollectiveAborted(f"all_reduce failed: {message}") from None
+        return tensor

@@ -1,0 +1,509 @@
+"""The node keeper (memory daemon): owns the shared-memory snapshot slots of its node's
+ranks and replicas of other nodes' ranks, and serves them over ``phalanx.runtime.transport.tcp``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+from phalanx.configs.errors import ConfigError, PeerUnreachable, SnapshotNotFound, StaleGeneration
+from phalanx.runtime.keeper.wire import (KeeperClient, KeeperRequestInvalid, OpHandler, SlotBusy,
+                                         handle)
+from phalanx.runtime.keeper.shm import (Held, RankSlots, ShmBuffer, check_capacity, memory_plan,
+                                        owned_names, pick_slot, remove_stale, shm_prefix,
+                                        validate_name)
+from phalanx.runtime.transport.tcp import DEFAULT_MAX_PAYLOAD, FrameServer, Reply, Request
+
+log = logging.getLogger(__name__)
+
+_WRITE_OPS = frozenset({"alloc", "claim", "publish", "put_replica", "drop"})
+__all__ = ["Keeper", "KeeperClient", "KeeperRequestInvalid", "SlotBusy", "memory_plan",
+           "check_capacity", "owned_names"]
+
+
+class Keeper:
+    """One per node. Thread-safe: its FrameServer's connection threads call the ops below.
+
+    Slot protocol for a local rank: ``alloc`` (files, once per layout) → ``claim`` (the
+    keeper picks a slot that is neither the newest ready step, nor pinned by a reader, nor
+    ``protect_step``; it is unpublished at once) → the worker writes it through its own
+    mmap → ``publish``. A worker that dies before ``publish`` leaves the slot unpublished,
+    so it is never served. ``generation_check(g) -> bool`` fences every write op.
+
+    A replica push pins the slot it streams with ``on_claim``: such a pin gives way to the
+    worker, so a claim that finds no other slot preempts the push instead of waiting.
+    """
+
+    def __init__(self, node: str, job: str, secret: bytes, shm_dir: str = "/dev/shm",
+                 slots: int = 2, bind_host: str = "127.0.0.1",
+                 generation_check: Callable[[int], bool] | None = None, *, port: int = 0,
+                 replica_keep: int = 2, timeout_s: float = 10.0, claim_wait_s: float = 5.0,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 ops: Mapping[str, OpHandler] | None = None) -> None:
+        self.node = validate_name(node, "keeper.node")
+        self.job = validate_name(job, "job.name", allow_dash=True)
+        if slots < 2 or replica_keep < 1:
+            raise ValueError(f"need slots >= 2 and replica_keep >= 1, got {slots}, {replica_keep}")
+        self.shm_dir, self.slots, self.replica_keep = shm_dir, slots, replica_keep
+        self.prefix = shm_prefix(job, node)
+        self._generation_check = generation_check
+        self._claim_wait_s = claim_wait_s
+        self._cond = threading.Condition()
+        self._alloc_lock = threading.Lock()
+        self._local: dict[int, RankSlots] = {}
+        self._replicas: dict[int, list[Held]] = {}
+        self._free: list[ShmBuffer] = []
+        self._seq = itertools.count()
+        self._closed = False
+        self._push_s: dict[tuple[int, str], float] = {}     # (rank, holder) -> last push
+        self._committed = -1              # the job's committed step, as last read from etcd
+        self._publish_listeners: list[Callable[[], None]] = []
+        self._ops = dict(ops or {})       # served through the op port (e.g. replication's)
+        self._write_ops = _WRITE_OPS | set(self._ops)   # every registered op is fenced
+        self._server = FrameServer(bind_host, port, secret=secret, job=job, handler=self._handle,
+                                   generation_check=generation_check, timeout_s=timeout_s,
+                                   max_payload=max_payload, name=f"keeper-{node}")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._server.address
+
+    def start(self) -> "Keeper":
+        """Remove files a killed predecessor left, then serve.
+
+        Raises ConfigError (no shm_dir) or ServiceStartError (cannot listen)."""
+        if not os.path.isdir(self.shm_dir):
+            raise ConfigError("snapshot.shm_dir", f"{self.shm_dir} is not a directory",
+                              "point snapshot.shm_dir at a tmpfs such as /dev/shm")
+        stale = remove_stale(self.shm_dir, self.prefix)
+        if stale:
+            log.warning("keeper.stale_files_removed node=%s count=%d", self.node, len(stale))
+        self._server.start()
+        log.info("keeper.started node=%s job=%s address=%s:%d shm_dir=%s slots=%d",
+                 self.node, self.job, *self.address, self.shm_dir, self.slots)
+        return self
+
+    def close(self) -> None:
+        """Stop serving (joins every connection thread), then unmap and unlink every file."""
+        self._server.close()
+        with self._cond:
+            self._closed = True
+            held = [h for t in self._local.values() for h in t.slots + t.retired]
+            held += [h for lst in self._replicas.values() for h in lst]
+            buffers = [h.buf for h in held] + self._free
+            self._local, self._replicas, self._free = {}, {}, []
+        for buf in buffers:
+            buf.close()
+        log.info("keeper.closed node=%s files=%d", self.node, len(buffers))
+
+    def __enter__(self) -> "Keeper":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- local slots -------------------------------------------------------------------
+
+    def alloc(self, rank: int, nbytes: int) -> list[str]:
+        """Paths of ``slots`` files of ``nbytes`` each for ``rank`` (idempotent per size).
+
+        A new size makes a new layout version; the old layout's newest ready step is
+        served until a new slot is published. Raises ConfigError(snapshot.shm_dir) before
+        creating any file when shm_dir or MemAvailable cannot hold the ``slots`` files.
+        """
+        if nbytes <= 0:
+            raise KeeperRequestInvalid(f"alloc size must be positive, got {nbytes}")
+        with self._alloc_lock:
+            with self._cond:
+                table = self._local.get(rank)
+                if table is not None and table.slot_nbytes == nbytes:
+                    return [h.buf.path for h in table.slots]
+                version = table.version + 1 if table else 0
+            self._check_room(rank, nbytes)
+            bufs: list[ShmBuffer] = []
+            try:
+                for i in range(self.slots):
+                    path = os.path.join(self.shm_dir, f"{self.prefix}r{rank}-v{version}-s{i}")
+                    bufs.append(ShmBuffer.create(path, nbytes))
+            except BaseException:
+                for buf in bufs:
+                    buf.close()
+                raise
+            with self._cond:
+                self._refuse_if_closed(bufs)
+                new = RankSlots(version, nbytes, [Held(b, rank) for b in bufs])
+                if table is not None:
+                    new.retired = self._retire_layout(table)
+                self._local[rank] = new
+                self._cond.notify_all()
+        log.info("keeper.alloc node=%s rank=%d nbytes=%d version=%d", self.node, rank, nbytes,
+                 version)
+        return [b.path for b in bufs]
+
+    def _check_room(self, rank: int, nbytes: int) -> None:
+        """Raise ConfigError before any file exists when ``shm_dir`` or RAM (tmpfs pages
+        cannot be reclaimed) lacks room for ``rank``'s ``slots`` files of ``nbytes``.
+
+        Only this rank's slots are counted: the keeper does not know the replication
+        factor, so replicas it will hold later are checked by the launcher alone (when
+        ``snapshot.rank_size_mb`` is set). Called by ``alloc`` under ``_alloc_lock``.
+        """
+        need = memory_plan(nbytes, 1, self.slots, 0, 0)
+        try:
+            check_capacity(
+                need, self.shm_dir,
+                what=f"keeper {self.node}: rank {rank}'s snapshots ({self.slots} slots x "
+                     f"{nbytes} bytes in {self.shm_dir})",
+                hint=f"point `snapshot.shm_dir` at a larger tmpfs than {self.shm_dir}, "
+                     f"snapshot a smaller state, use fewer `snapshot.slots` (now "
+                     f"{self.slots}), or set `snapshot.rank_size_mb` so the launcher refuses "
+                     "before start")
+        except ConfigError:
+            log.warning("keeper.alloc_refused node=%s rank=%d nbytes=%d slots=%d need=%d",
+                        self.node, rank, nbytes, self.slots, need)
+            raise
+
+    def _retire_layout(self, table: RankSlots) -> list[Held]:
+        ready = [h for h in table.slots + table.retired if h.state == "ready"]
+        keep = max(ready, key=lambda h: h.step, default=None)
+        for held in table.slots + table.retired:
+            if held is not keep:
+                self._doom(held)
+        return [keep] if keep is not None else []
+
+    def claim(self, rank: int, protect_step: int | None = None) -> tuple[int, str]:
+        """(slot index, path) the worker writes its next snapshot into.
+
+        Waits up to ``claim_wait_s`` for readers of the candidate slots, then raises
+        SlotBusy; KeeperRequestInvalid if ``rank`` has no slots.
+        """
+        deadline = time.monotonic() + self._claim_wait_s
+        with self._cond:
+            while True:
+                table = self._table(rank)
+                index = pick_slot(table, protect_step)
+                if index is not None:
+                    break
+                victim = pick_slot(table, protect_step, preempt=True)
+                if victim is not None:
+                    self._preempt(table.slots[victim])
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SlotBusy(f"keeper {self.node}: no free slot for rank {rank} "
+                                   f"(readers or protect_step={protect_step} hold them)")
+                self._cond.wait(left)
+            held = table.slots[index]
+            held.state, held.step, held.manifest, held.used = "writing", -1, b"", 0
+        return index, held.buf.path
+
+    def _preempt(self, held: Held) -> None:
+        """Called with the lock held: ask every yielding reader of ``held`` to stop (once)."""
+        callbacks, held.yielding = held.yielding, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a reader's bug must not fail the worker's claim
+                log.exception("keeper.preempt_failed node=%s rank=%d step=%d", self.node,
+                              held.rank, held.step)
+        log.debug("keeper.preempted node=%s rank=%d step=%d readers=%d", self.node, held.rank,
+                  held.step, len(callbacks))
+
+    def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int, *,
+                notify: bool = True) -> None:
+        """Record that claimed ``slot`` now holds ``rank``'s snapshot of ``step``
+        (``nbytes`` payload bytes). A ready slot with the same step is superseded. With
+        ``notify=False`` the caller calls ``notify_published`` itself (the wire handler
+        does, once its reply is sent: a woken sender must not delay the worker's reply)."""
+        with self._cond:
+            table = self._table(rank)
+            if not 0 <= slot < len(table.slots) or table.slots[slot].state != "writing":
+                raise KeeperRequestInvalid(f"keeper {self.node}: rank {rank} slot {slot} was "
+                                           f"not claimed; call claim() before writing")
+            held = table.slots[slot]
+            if not 0 < nbytes <= held.buf.nbytes:
+                raise KeeperRequestInvalid(f"rank {rank}: {nbytes} bytes do not fit the "
+                                           f"{held.buf.nbytes}-byte slot")
+            for other in table.slots:
+                if other.state == "ready" and other.step == step:
+                    other.state = "empty"
+            held.state, held.step, held.manifest, held.used = "ready", step, manifest, nbytes
+            for old in table.retired:
+                self._doom(old)
+            table.retired = []
+            self._cond.notify_all()
+        if notify:
+            self.notify_published()
+        log.debug("keeper.published node=%s rank=%d step=%d slot=%d nbytes=%d",
+                  self.node, rank, step, slot, nbytes)
+
+    def _refuse_if_closed(self, bufs: list[ShmBuffer]) -> None:
+        """Called with the lock held by a request that outlived close(): drop its files."""
+        if self._closed:
+            for buf in bufs:
+                buf.close()
+            raise PeerUnreachable(f"keeper {self.node} is closed")
+
+    def _table(self, rank: int) -> RankSlots:
+        table = self._local.get(rank)
+        if table is None:
+            raise KeeperRequestInvalid(f"keeper {self.node}: rank {rank} has no slots; "
+                                       f"call alloc() first")
+        return table
+
+    # ----- replicas ----------------------------------------------------------------------
+
+    def put_replica(self, rank: int, step: int, manifest: bytes,
+                    payload: bytes | bytearray | memoryview) -> list[int]:
+        """Store a copy of another node's ``rank`` at ``step``; returns evicted steps."""
+        source = memoryview(payload).cast("B")
+
+        def copy(view: memoryview) -> None:
+            view[:] = source
+
+        try:
+            return self.store_replica(rank, step, manifest, source.nbytes, copy)
+        finally:
+            source.release()
+
+    def store_replica(self, rank: int, step: int, manifest: bytes, nbytes: int,
+                      fill: Callable[[memoryview], None]) -> list[int]:
+        """Like ``put_replica``, but ``fill`` writes the payload into the shm view itself
+        (the TCP handler receives straight from the socket). The newest ``replica_keep``
+        steps stay; a failed ``fill`` leaves what was held untouched."""
+        if nbytes <= 0:
+            raise KeeperRequestInvalid(f"replica of rank {rank} step {step} is empty")
+        buf = self._take_free(nbytes) or ShmBuffer.create(
+            os.path.join(self.shm_dir, f"{self.prefix}x{next(self._seq)}"), nbytes)
+        view = buf.view(nbytes)
+        try:
+            fill(view)
+        except BaseException:
+            view.release()
+            with self._cond:
+                self._keep_free(buf)
+            raise
+        view.release()
+        with self._cond:
+            self._refuse_if_closed([buf])
+            held = self._replicas.setdefault(rank, [])
+            for old in [h for h in held if h.step == step]:
+                held.remove(old)
+                self._evict(old)
+            held.append(Held(buf, rank, "ready", step, manifest, nbytes))
+            held.sort(key=lambda h: h.step)
+            evicted = held[:-self.replica_keep]
+            del held[:-self.replica_keep]
+            for old in evicted:
+                self._evict(old)
+        log.debug("keeper.replica_stored node=%s rank=%d step=%d nbytes=%d evicted=%s",
+                  self.node, rank, step, nbytes, [h.step for h in evicted])
+        return [h.step for h in evicted]
+
+    def _take_free(self, nbytes: int) -> ShmBuffer | None:
+        with self._cond:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes == nbytes:
+                    return self._free.pop(i)
+        return None
+
+    def _evict(self, held: Held) -> None:
+        """Called with the lock held: recycle an unread replica buffer, doom a read one."""
+        held.state = "empty"
+        if held.pins:
+            self._doom(held)
+        else:
+            self._keep_free(held.buf)
+
+    def _keep_free(self, buf: ShmBuffer) -> None:
+        """Called with the lock held: keep ``buf`` for the next put_replica of its size (at
+        most one per replicated rank; the oldest beyond that is closed)."""
+        if self._closed:
+            buf.close()
+            return
+        self._free.append(buf)
+        limit = max(1, len(self._replicas))
+        for old in self._free[:-limit]:
+            old.close()
+        del self._free[:-limit]
+
+    # ----- reading, retention, accounting ------------------------------------------------
+
+    def pin(self, rank: int, step: int | None = None, *,
+            on_claim: Callable[[], None] | None = None) -> tuple[str, Held]:
+        """(source, held) of ``rank`` at ``step`` (newest if None), pinned against reuse
+        until ``unpin``; local copies win over replicas. Raises SnapshotNotFound.
+
+        With ``on_claim`` the pin gives way to the worker: a claim that needs this slot
+        calls ``on_claim()`` once, under the keeper's lock (it must only signal, e.g. shut
+        a socket down), and waits for the ``unpin(held, on_claim)`` that follows."""
+        with self._cond:
+            table = self._local.get(rank)
+            found = [("local", h) for h in (table.slots + table.retired if table else [])
+                     if h.state == "ready"]
+            found += [("replica", h) for h in self._replicas.get(rank, []) if h.state == "ready"]
+            want = max((h.step for _, h in found), default=None) if step is None else step
+            for source, held in found:
+                if held.step == want:
+                    held.pins += 1
+                    if on_claim is not None:
+                        held.yielding.append(on_claim)
+                    return source, held
+            holds = self.holdings().get(rank, {})
+        where = "any step" if step is None else f"step {step}"
+        raise SnapshotNotFound(f"keeper {self.node}: no snapshot of rank {rank} at {where}; "
+                               f"it holds local {holds.get('local', [])}, "
+                               f"replica {holds.get('replica', [])}")
+
+    def unpin(self, held: Held, on_claim: Callable[[], None] | None = None) -> None:
+        """Release one pin (``on_claim``: the callback that pin was taken with)."""
+        with self._cond:
+            held.pins -= 1
+            for i, callback in enumerate(held.yielding):
+                if callback is on_claim:
+                    del held.yielding[i]
+                    break
+            if held.doomed and held.pins == 0:
+                held.buf.close()
+            self._cond.notify_all()
+
+    def ready_snapshots(self) -> list[Held]:
+        """Every ready snapshot held, replicas first (never claimed by a worker, so the
+        better source to copy from), then local slots. Read fields only under ``pin_held``."""
+        with self._cond:
+            replicas = [h for lst in self._replicas.values() for h in lst if h.state == "ready"]
+            local = [h for t in self._local.values() for h in t.slots + t.retired
+                     if h.state == "ready"]
+            return replicas + local
+
+    def pin_held(self, held: Held, manifest: bytes) -> bool:
+        """Pin ``held`` if it still holds the snapshot published with ``manifest`` (the
+        same bytes object), else return False. Release with ``unpin``."""
+        with self._cond:
+            if held.state != "ready" or held.doomed or held.manifest is not manifest:
+                return False
+            held.pins += 1
+            return True
+
+    def _doom(self, held: Held) -> None:
+        """Called with the lock held: forget ``held``; its file goes now, its map when unread."""
+        held.state, held.doomed = "empty", True
+        held.buf.unlink()
+        if held.pins == 0:
+            held.buf.close()
+
+    def drop(self, rank: int | None, below_step: int | None = None,
+             above_step: int | None = None) -> dict[str, list[int]]:
+        """Forget steps < ``below_step`` and > ``above_step`` (after a rollback) of one rank,
+        or of every rank if None. Local slot files stay allocated for reuse."""
+        def gone(h: Held) -> bool:
+            return (h.state == "ready" and (rank is None or h.rank == rank)
+                    and ((below_step is not None and h.step < below_step)
+                         or (above_step is not None and h.step > above_step)))
+
+        dropped: dict[str, list[int]] = {"local": [], "replica": []}
+        with self._cond:
+            for held in [h for t in self._local.values() for h in t.slots + t.retired]:
+                if gone(held):
+                    dropped["local"].append(held.step)
+                    held.state = "empty"
+            for lst in self._replicas.values():
+                for held in [h for h in lst if gone(h)]:
+                    dropped["replica"].append(held.step)
+                    lst.remove(held)
+                    self._evict(held)
+            self._cond.notify_all()
+        dropped = {kind: sorted(steps) for kind, steps in dropped.items()}
+        log.info("keeper.dropped node=%s rank=%s below=%s above=%s local=%s replica=%s",
+                 self.node, rank, below_step, above_step, dropped["local"], dropped["replica"])
+        return dropped
+
+    def on_publish(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (it must not block) after every publish of a local rank."""
+        with self._cond:
+            self._publish_listeners.append(callback)
+
+    def notify_published(self) -> None:
+        with self._cond:
+            listeners = list(self._publish_listeners)
+        for listener in listeners:
+            try:
+                listener()
+            except Exception:  # a listener's bug must not fail the worker's publish
+                log.exception("keeper.publish_listener_failed node=%s", self.node)
+
+    def remove_publish_listener(self, callback: Callable[[], None]) -> None:
+        with self._cond:
+            if callback in self._publish_listeners:
+                self._publish_listeners.remove(callback)
+
+    def record_push(self, rank: int, holder: str, seconds: float) -> None:
+        """The replicator pushed ``rank``'s newest snapshot to ``holder`` in ``seconds``."""
+        with self._cond:
+            self._push_s[rank, holder] = seconds
+
+    def replication_cost(self, rank: int) -> float:
+        """Seconds the last push of ``rank``'s snapshot took, summed over its holders: what
+        a snapshot costs the machine beyond its capture (``snapshot.every_steps: auto``)."""
+        with self._cond:
+            return sum(s for (r, _), s in self._push_s.items() if r == rank)
+
+    def note_committed(self, step: int) -> None:
+        """The job's committed step (read from etcd by the reporter); it only moves on."""
+        with self._cond:
+            self._committed = max(self._committed, step)
+
+    def committed_step(self) -> int:
+        """The newest committed step this keeper has heard of; -1 before the first."""
+        with self._cond:
+            return self._committed
+
+    def holdings(self) -> dict[int, dict[str, Any]]:
+        """Per rank: ready local steps, replica steps, and whether a slot is being written."""
+        with self._cond:
+            out: dict[int, dict[str, Any]] = {}
+            for rank, table in self._local.items():
+                held = table.slots + table.retired
+                out[rank] = {"local": sorted(h.step for h in held if h.state == "ready"),
+                             "replica": [], "writing": any(h.state == "writing" for h in held)}
+            for rank, lst in self._replicas.items():
+                entry = out.setdefault(rank, {"local": [], "replica": [], "writing": False})
+                entry["replica"] = sorted(h.step for h in lst)
+            return out
+
+    def snapshot_files(self, rank: int) -> list[dict[str, Any]]:
+        """Where ``rank``'s ready snapshots live (step, own or replica, shm path, bytes):
+        what a storage drill damages in place."""
+        with self._cond:
+            table = self._local.get(rank)
+            own = [("own", h) for h in (table.slots + table.retired if table else [])
+                   if h.state == "ready"]
+            held = own + [("replica", h) for h in self._replicas.get(rank, [])]
+            return [{"step": h.step, "kind": kind, "path": h.buf.path, "nbytes": h.used or
+                     h.buf.nbytes} for kind, h in held]
+
+    def stats(self) -> dict[str, int]:
+        """Bytes and files held: local slots (all layouts), replicas, recycled buffers."""
+        with self._cond:
+            local = [h.buf for t in self._local.values() for h in t.slots + t.retired]
+            replica = [h.buf for lst in self._replicas.values() for h in lst]
+            return {"local_bytes": sum(b.nbytes for b in local),
+                    "replica_bytes": sum(b.nbytes for b in replica),
+                    "free_bytes": sum(b.nbytes for b in self._free),
+                    "files": len(local) + len(replica) + len(self._free),
+                    "ranks_local": len(self._local), "ranks_replica": len(self._replicas)}
+
+    # ----- wire ----------------------------------------------------------------------------
+
+    def _handle(self, request: Request) -> Reply:
+        """Connection threads call this: fence write ops, then run the op table."""
+        header = request.header
+        if header.get("op") in self._write_ops and self._generation_check is not None:
+            generation = header.get("generation", request.peer.generation)
+            if type(generation) is not int or not self._generation_check(generation):
+                raise StaleGeneration(f"keeper {self.node}: op={header.get('op')} from "
+                                      f"generation {generation} is fenced")
+        return handle(self, request, self._ops)

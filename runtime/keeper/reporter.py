@@ -1,0 +1,107 @@
+"""Publishes what a node keeper holds as one leased etcd key per node (``keepers/<node>``),
+refreshed at the heartbeat: the keeper's liveness and the input of the global commit. At
+the same heartbeat it reads the global commit back (``commit``) for the keeper's workers.
+etcd load grows with nodes, never with steps x ranks."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from phalanx.configs.errors import LeaseLost, MembershipUnavailable
+from phalanx.runtime.base import MemberRecord, Membership
+from phalanx.runtime.commit import COMMIT_KEY, KeeperReport, committed_from
+
+log = logging.getLogger(__name__)
+KEEPERS = "keepers/"
+
+
+def keeper_member(node: str, address: tuple[str, int], pid: int) -> MemberRecord:
+    """The keeper's row in the member table (rank -1: not a training rank)."""
+    return MemberRecord(worker_id=f"keeper.{node}", rank=-1, node=node,
+                        endpoint=f"{address[0]}:{address[1]}", pid=pid,
+                        extra={"role": "keeper"})
+
+
+class KeeperReporter:
+    """Owns one thread that writes ``keepers/<node>`` every ``heartbeat_s`` when it changed.
+
+    ``snapshot`` builds the current report and ``on_commit`` takes the committed step read
+    back (both called on the reporter thread).
+    """
+
+    def __init__(self, membership: Membership, node: str, snapshot: Callable[[], KeeperReport],
+                 heartbeat_s: float, ttl_s: float, member: MemberRecord,
+                 on_commit: Callable[[int], None] | None = None,
+                 fenced: Callable[[], bool] = lambda: False) -> None:
+        self._membership = membership
+        self._fenced = fenced
+        self._on_commit = on_commit
+        self._node = node
+        self._snapshot = snapshot
+        self._heartbeat_s = heartbeat_s
+        self._ttl_s = ttl_s
+        self._member = member
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last: bytes = b""
+
+    def start(self) -> "KeeperReporter":
+        self._membership.join(self._member, self._ttl_s)
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name=f"keeper-report-{self._node}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._heartbeat_s * 4 + 1)
+            self._thread = None
+        self._membership.leave()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            if self._fenced():      # replaced while cut off: it must stay silent
+                continue
+            try:
+                if self._membership.lease_lost:    # etcd lost it (an outage outlived it)
+                    self._rejoin()
+                self._publish()
+            except LeaseLost as exc:   # etcd lost our lease: a new one, and the report again
+                log.warning("event=keeper_lease_lost node=%s error=%s", self._node, exc)
+                self._rejoin()
+            except MembershipUnavailable as exc:     # etcd unreachable: next heartbeat
+                log.warning("event=keeper_report_failed node=%s error=%s", self._node, exc)
+            except Exception as exc:  # thread boundary: report and keep reporting
+                log.exception("event=keeper_report_error node=%s error=%r", self._node, exc)
+
+    def _rejoin(self) -> None:
+        self._last = b""
+        try:
+            self._membership.join(self._member, self._ttl_s)
+            log.warning("event=keeper_rejoined node=%s", self._node)
+        except (MembershipUnavailable, LeaseLost) as exc:
+            log.warning("event=keeper_rejoin_failed node=%s error=%s", self._node, exc)
+
+    def _publish(self) -> None:
+        data = self._snapshot().to_json()
+        if data != self._last:
+            self._membership.put_leased(KEEPERS + self._node, data)
+            self._last = data
+        if self._on_commit is not None:
+            commit = self._membership.get(COMMIT_KEY)
+            self._on_commit(committed_from(commit.value if commit else None))
+
+
+def report_from_keeper(node: str, address: tuple[str, int], holdings: dict[int, dict[str, Any]],
+                       stats: dict[str, int], generation: int) -> KeeperReport:
+    return KeeperReport(
+        node=node, address=address,
+        local={rank: tuple(info.get("local", ())) for rank, info in holdings.items()
+               if info.get("local")},
+        replicas={rank: tuple(info.get("replica", ())) for rank, info in holdings.items()
+                  if info.get("replica")},
+        bytes_held=int(stats.get("local_bytes", 0)) + int(stats.get("replica_bytes", 0)),
+        generation=generation)

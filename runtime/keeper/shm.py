@@ -1,0 +1,266 @@
+"""Keeper-owned shared-memory files: create, pre-touch, map and unlink them, track what each
+holds and which slot a writer may take next; and node capacity checks for the launcher.
+Every file is ``<shm_dir>/phalanx-<job>-<node>-...``, created O_EXCL with mode 0600.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from phalanx.configs.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,127}$")
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# What may follow the prefix in a file this keeper made: a local slot or a replica buffer.
+_OWN_SUFFIX_RE = re.compile(r"^(r\d+-v\d+-s\d+|x\d+)$")
+_ZERO_CHUNK = 8 << 20
+# MAP_POPULATE pre-faults the keeper's page tables; absent outside Linux.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def validate_name(value: str, key: str, allow_dash: bool = False) -> str:
+    """``value`` if it is safe inside a file name; raises ConfigError naming ``key``.
+
+    Job names may hold ``-`` (``phalanx-job``); node names may not, so that
+    ``phalanx-<job>-<node>-`` splits one way only. ``/`` and ``..`` could escape shm_dir.
+    """
+    pattern = _JOB_RE if allow_dash else _NAME_RE
+    if not isinstance(value, str) or not pattern.match(value) or ".." in value:
+        allowed = "letters, digits, '_', '.'" + (" or '-'" if allow_dash else "")
+        raise ConfigError(key, f"{value!r} cannot be used in shared-memory file names",
+                          f"use 1-128 {allowed}, starting with a letter or digit")
+    return value
+
+
+def shm_prefix(job: str, node: str) -> str:
+    """The file-name prefix of every shm file one keeper owns."""
+    return f"phalanx-{job}-{node}-"
+
+
+class ShmBuffer:
+    """One sized, pre-touched, read-write mapped file in shm_dir.
+
+    ``unlink`` removes the name (mappings stay valid); ``close`` unmaps and unlinks. If a
+    memoryview of the mapping is still alive, the unmap is left to the garbage collector
+    (the name is gone, so the memory is freed once the last view dies).
+    """
+
+    def __init__(self, path: str, nbytes: int, mm: mmap.mmap) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self._mm: mmap.mmap | None = mm
+        self._linked = True
+
+    @classmethod
+    def create(cls, path: str, nbytes: int) -> "ShmBuffer":
+        """Create ``path`` of ``nbytes``, allocate every page now, and map it.
+
+        Raises ConfigError(snapshot.shm_dir) when the tmpfs is full, FileExistsError when
+        the name is taken. Allocating now turns a later SIGBUS in a worker into this error.
+        """
+        if nbytes <= 0:
+            raise ValueError(f"shm buffer size must be positive, got {nbytes}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            _pretouch(fd, nbytes, path)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        os.close(fd)
+        return cls(path, nbytes, mm)
+
+    def view(self, nbytes: int | None = None) -> memoryview:
+        """A writable view of the first ``nbytes``; the caller must ``release()`` it."""
+        if self._mm is None:
+            raise ValueError(f"{self.path} is closed")
+        return memoryview(self._mm)[: self.nbytes if nbytes is None else nbytes]
+
+    def unlink(self) -> None:
+        """Remove the file name (idempotent)."""
+        if self._linked:
+            self._linked = False
+            _unlink_quietly(self.path)
+
+    def close(self) -> None:
+        """Unmap and unlink (idempotent)."""
+        self.unlink()
+        mm, self._mm = self._mm, None
+        if mm is None:
+            return
+        try:
+            mm.close()
+        except BufferError:
+            log.debug("shm.unmap_deferred path=%s reason=views_alive", self.path)
+
+
+@dataclass(eq=False)
+class Held:
+    """One shm buffer and what it holds; ``pins`` counts readers streaming from it.
+    Mutated only under its Keeper's lock."""
+
+    buf: ShmBuffer
+    rank: int
+    state: str = "empty"  # empty | writing | ready
+    step: int = -1
+    manifest: bytes = b""
+    used: int = 0
+    pins: int = 0
+    doomed: bool = False  # unlinked; unmapped once no reader pins it
+    # One callback per pin that gives way to a writer (a replica push): a claim that
+    # needs this slot calls them once (under the Keeper's lock) and waits for the unpins.
+    yielding: list[Callable[[], None]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class RankSlots:
+    """A local rank's slot files of one layout version, plus the previous layout's newest
+    ready slot, served until a slot of this layout is published."""
+
+    version: int
+    slot_nbytes: int
+    slots: list[Held]
+    retired: list[Held] = field(default_factory=list)
+
+
+def pick_slot(table: RankSlots, protect_step: int | None, *,
+              preempt: bool = False) -> int | None:
+    """The slot to overwrite: never the newest ready one, a pinned one or ``protect_step``;
+    empty or half-written slots first, then the oldest step. With ``preempt``, a slot
+    whose every pin gives way to writers (``Held.yielding``) counts as unpinned."""
+    ready = [h for h in table.slots if h.state == "ready"]
+    newest = max(ready, key=lambda h: h.step) if ready and not table.retired else None
+    choices = [(h.state == "ready", h.step, i) for i, h in enumerate(table.slots)
+               if h is not newest
+               and (h.pins == 0 or (preempt and h.pins == len(h.yielding)))
+               and not (h.state == "ready" and h.step == protect_step)]
+    return min(choices)[2] if choices else None
+
+
+def _pretouch(fd: int, nbytes: int, path: str) -> None:
+    """Allocate every page of the file once so later copies into it do not fault pages in."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise _no_space(path, nbytes) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    zeros = bytes(min(_ZERO_CHUNK, nbytes))
+    offset = 0
+    try:
+        while offset < nbytes:
+            offset += os.pwrite(fd, zeros[: nbytes - offset], offset)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise _no_space(path, nbytes) from exc
+        raise
+
+
+def _no_space(path: str, nbytes: int) -> ConfigError:
+    shm_dir = os.path.dirname(path) or "."
+    return ConfigError("snapshot.shm_dir", f"no space for {_gib(nbytes)} in {shm_dir} "
+                       f"({_gib(_free_bytes(shm_dir))} free)",
+                       "enlarge the tmpfs, lower snapshot.slots or replication.factor")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def owned_names(shm_dir: str, prefix: str) -> list[str]:
+    """Names in ``shm_dir`` that a keeper with ``prefix`` creates (slots and replicas)."""
+    return sorted(name for name in os.listdir(shm_dir)
+                  if name.startswith(prefix) and _OWN_SUFFIX_RE.match(name[len(prefix):]))
+
+
+def remove_stale(shm_dir: str, prefix: str) -> list[str]:
+    """Unlink this keeper's files left in ``shm_dir`` by a predecessor that was killed."""
+    removed = []
+    for name in owned_names(shm_dir, prefix):
+        _unlink_quietly(os.path.join(shm_dir, name))
+        removed.append(name)
+    return removed
+
+
+def memory_plan(per_rank_bytes: int, ranks_on_node: int, slots: int,
+                replication_factor: int, replicas_held: int) -> int:
+    """Shared-memory bytes one node's keeper needs at most.
+
+    ``slots`` buffers for each local rank, plus replicas: with balanced placement a node
+    holds ``ranks_on_node * replication_factor`` other ranks, each kept at its newest
+    ``replicas_held`` steps plus one receive buffer (a replica is received before the
+    oldest is evicted, so a failed transfer never loses a held step).
+    """
+    for name, value in (("per_rank_bytes", per_rank_bytes), ("ranks_on_node", ranks_on_node),
+                        ("slots", slots), ("replication_factor", replication_factor),
+                        ("replicas_held", replicas_held)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    local = per_rank_bytes * ranks_on_node * slots
+    replicated_ranks = ranks_on_node * replication_factor
+    replicas = per_rank_bytes * replicated_ranks * (replicas_held + 1 if replicas_held else 0)
+    return local + replicas
+
+
+def check_capacity(required_bytes: int, shm_dir: str, *, what: str = "snapshots",
+                   hint: str = "lower snapshot.slots or replication.factor, snapshot less "
+                               "state, enlarge the tmpfs (mount -o remount,size=...) or use "
+                               "nodes with more memory") -> None:
+    """Raise ConfigError(snapshot.shm_dir) unless ``shm_dir`` and RAM can hold ``required_bytes``
+    (``what`` names them in the message, ``hint`` is the fix).
+
+    Compares with the tmpfs free space (statvfs) and with MemAvailable (tmpfs pages are
+    RAM that cannot be reclaimed). Called by the launcher before a job starts and by a
+    keeper before it creates a rank's slot files.
+    """
+    if not os.path.isdir(shm_dir):
+        raise ConfigError("snapshot.shm_dir", f"{shm_dir} is not a directory",
+                          "point snapshot.shm_dir at a tmpfs such as /dev/shm")
+    free = _free_bytes(shm_dir)
+    available = mem_available()
+    limits = [f"{shm_dir} has {free} bytes free ({_gib(free)})"]
+    short = required_bytes > free
+    if available is not None:
+        limits.append(f"MemAvailable is {available} bytes ({_gib(available)})")
+        short = short or required_bytes > available
+    if short:
+        raise ConfigError(
+            "snapshot.shm_dir",
+            f"{what} need {required_bytes} bytes ({_gib(required_bytes)}) but "
+            + " and ".join(limits), hint)
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """MemAvailable in bytes, or None where /proc/meminfo does not exist."""
+    try:
+        with open(meminfo, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        return None
+    return None
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"

@@ -1,0 +1,132 @@
+"""Generations as workers see them: the fenced ``generation`` key, the worker-facing plan
+published under ``plan/<generation>`` (rank -> worker, restore step, restore sources), and
+a watcher that tells a worker at once when a new generation begins."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from phalanx.configs.errors import FatalError, MembershipUnavailable, TransientError
+from phalanx.runtime.base import Membership, WatchEvent
+
+log = logging.getLogger(__name__)
+GENERATION_KEY = "generation"
+PLAN_PREFIX = "plan/"
+
+
+class Fenced(FatalError):
+    """This worker is not part of the new generation (its rank went to another worker)."""
+
+
+class PlanTimeout(TransientError):
+    """No plan for a newer generation arrived in time."""
+
+
+@dataclass(frozen=True)
+class RankAssignment:
+    """Who runs a rank in a generation and where its state at ``restore_step`` comes from
+    (ladder order: dicts ``{"kind": "keeper", "node", "host", "port"}`` or
+    ``{"kind": "tier", "tier": "disk" | "s3"}``)."""
+
+    worker: str
+    sources: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    generation: int
+    world_size: int
+    restore_step: int
+    ranks: Mapping[int, RankAssignment] = field(default_factory=dict)
+    reason: str = ""
+    # the TCPStore this generation's group forms on: (host, port) of the coordinator that
+    # published the plan (a standby that took over hosts a new one); None: unchanged
+    store: tuple[str, int] | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "generation": self.generation, "world_size": self.world_size,
+            "restore_step": self.restore_step, "reason": self.reason,
+            "store": list(self.store) if self.store else None,
+            "ranks": {str(r): {"worker": a.worker, "sources": list(a.sources)}
+                      for r, a in sorted(self.ranks.items())},
+        }, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "GenerationPlan":
+        raw = json.loads(data)
+        ranks = {int(r): RankAssignment(str(a["worker"]), tuple(dict(s) for s in a["sources"]))
+                 for r, a in raw["ranks"].items()}
+        store = raw.get("store")
+        return cls(int(raw["generation"]), int(raw["world_size"]), int(raw["restore_step"]),
+                   ranks, str(raw.get("reason", "")),
+                   (str(store[0]), int(store[1])) if store else None)
+
+
+def plan_key(generation: int) -> str:
+    return f"{PLAN_PREFIX}{generation:08d}"
+
+
+class GenerationWatcher:
+    """Watches ``generation`` from a watcher thread; ``newer_than(g)`` is a cheap local check
+    the training thread makes while it waits on a collective."""
+
+    def __init__(self, membership: Membership) -> None:
+        self._membership = membership
+        self._latest = 0
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._cancel = None
+
+    def start(self) -> "GenerationWatcher":
+        self._cancel = self._membership.watch_prefix(GENERATION_KEY, self._on_event)
+        current = self._membership.get(GENERATION_KEY)
+        if current is not None:
+            self._set(int(current.value))
+        return self
+
+    def close(self) -> None:
+        if self._cancel is not None:
+            self._cancel()
+            self._cancel = None
+
+    @property
+    def latest(self) -> int:
+        return self._latest
+
+    def newer_than(self, generation: int) -> bool:
+        return self._latest > generation
+
+    def _on_event(self, event: WatchEvent) -> None:
+        if event.kind == "put" and event.key == GENERATION_KEY:
+            self._set(int(event.value))
+
+    def _set(self, value: int) -> None:
+        with self._changed:
+            if value > self._latest:
+                self._latest = value
+                self._changed.notify_all()
+
+    def wait_plan(self, after: int, timeout_s: float, poll_s: float = 0.02) -> GenerationPlan:
+        """The plan of the newest generation above ``after``; raises ``PlanTimeout``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._latest > after,
+                                       timeout=max(0.0, min(poll_s * 10, deadline - time.monotonic())))
+                target = self._latest
+            if target > after:
+                try:
+                    found = self._membership.get(plan_key(target))
+                except MembershipUnavailable as exc:
+                    log.warning("event=plan_read_failed generation=%d error=%s", target, exc)
+                    found = None
+                if found is not None:
+                    return GenerationPlan.from_json(found.value)
+            if time.monotonic() > deadline:
+                raise PlanTimeout(f"no plan for a generation after {after} within {timeout_s} s")
+            time.sleep(poll_s)

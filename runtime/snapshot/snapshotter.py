@@ -1,0 +1,447 @@
+"""Per-step capture of one rank's state into keeper-owned shared memory.
+
+The training thread pays only for flattening the state and claiming a reused, pre-faulted
+slot (plus a non-blocking device-to-host enqueue for CUDA tensors). CPU tensors are copied
+into the slot and checksummed chunk by chunk on background threads while the next step's
+forward and backward run; whatever would modify a captured tensor in place (the optimizer
+step) first waits for that copy (``wait_for_copy``). The manifest and the publish to the
+keeper follow on the background thread, which the next capture waits for (double
+buffering: one slot being filled while another holds the newest complete step).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+
+from phalanx.runtime.keeper.wire import KeeperClient, SlotBusy
+from phalanx.runtime.snapshot.checksum import DEFAULT_ALGO, DigestJob, check_algo, finish, helpers
+from phalanx.runtime.snapshot.format import (SnapshotLayout, landing_job, make_manifest,
+                                             plan_layout, start_write, write_into, write_job)
+from phalanx.runtime.snapshot.state_tree import flatten_state
+
+log = logging.getLogger(__name__)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+AUTO_MAX_INTERVAL = 1000
+# A planning margin for what a snapshot costs the training loop beyond what the worker
+# measures (effects that outlast the steps after a capture, caches the copies evict, noise
+# in the few steps measured). Planned with it at the 3% budget, the snapshots' share of the
+# example's 1600-step loops with replication measured 1.0-2.1% on the 2-core CI machine
+# (`bench/replication.py`, per step).
+UNSEEN_COST = 1.5
+# Steps after a capture whose time counts as the snapshot's cost: the background publish,
+# the keepers' and the holders' work land there. Measured on the 2-core CI machine with the
+# example MLP (8.5 ms steps): the next step took 6-9 ms longer, the one after 1-3 ms, the
+# ones after that no longer than any step; for a 64 KiB state the snapshot's threads (stall
+# + background publish + replica pushes) measured only half of that.
+AFTER_STEPS = 2
+MARK_BYTES = 64 << 20            # CUDA copies between two checksum-ready events
+
+
+@dataclass(frozen=True)
+class SnapshotPolicy:
+    every_steps: int | str = 1          # an interval, or "auto"
+    overhead_budget: float = 0.03
+
+
+class _CopyMarks:
+    """CUDA events along one capture's device-to-host copies: one after every
+    ``MARK_BYTES`` of copies and one at the end (an event per tensor would cost the training
+    thread a record call per tensor), so checksums start on the first tensors while later
+    ones are still in flight."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self._events: dict[str, Any] = {}
+        self._open: list[str] = []
+        self._bytes = 0
+        self._last: Any = None
+
+    def add(self, name: str, nbytes: int) -> None:
+        self._open.append(name)
+        self._bytes += nbytes
+        if self._bytes >= MARK_BYTES:
+            self._record()
+
+    def close(self) -> Any:
+        """Record the final event (after every copy) and return it."""
+        return self._record()
+
+    def wait(self, name: str) -> None:
+        event = self._events.get(name)
+        if event is not None:
+            event.synchronize()
+
+    def wait_all(self) -> None:
+        if self._last is not None:
+            self._last.synchronize()
+
+    def _record(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        for name in self._open:
+            self._events[name] = event
+        self._open, self._bytes, self._last = [], 0, event
+        return event
+
+
+class _Work(NamedTuple):
+    """What one capture hands its publishing thread."""
+
+    job: DigestJob
+    helpers: list[Future]
+    tensors: Mapping[str, torch.Tensor]
+    claimed: tuple[int, memoryview] | None     # CUDA: claimed on the training thread
+    marks: _CopyMarks | None
+
+
+@dataclass
+class SnapshotStats:
+    captures: int = 0              # published, counted by the publishing thread
+    last_step: int = -1            # the step last published
+    last_capture_step: int = -1    # the step last captured (the training thread's view)
+    committed_step: int = -1       # the job's committed step, as the keeper said at a claim
+    last_stall_s: float = 0.0
+    last_background_s: float = 0.0
+    interval: int = 1
+    bytes: int = 0
+
+
+class _IntervalController:
+    """Picks the snapshot interval: fixed, or ``auto`` — the most frequent interval whose
+    cost per snapshot times ``UNSEEN_COST`` stays within the overhead budget of the time of
+    a step no snapshot touched. A snapshot's cost is the larger of what its threads took
+    (training stall + background publish + the keeper's replica pushes: ``observe_work``)
+    and what the loop felt (the stall + how much longer than a plain step the
+    ``AFTER_STEPS`` steps after the capture took: ``observe_capture`` then
+    ``observe_step``). Only the training thread calls ``observe_capture``/``observe_step``.
+    """
+
+    def __init__(self, policy: SnapshotPolicy) -> None:
+        self._fixed = policy.every_steps if isinstance(policy.every_steps, int) else None
+        self._budget = policy.overhead_budget
+        self._step_s = 0.0          # any step (until steps free of snapshots are measured)
+        self._plain_s = 0.0         # steps outside the windows after captures
+        self._work_s = 0.0
+        self._felt_s = 0.0
+        self._stall_s = 0.0
+        self._window: list[float] | None = None   # times of the steps after the last capture
+
+    def observe_step(self, seconds: float) -> None:
+        self._step_s = _average(self._step_s, seconds, 0.2)
+        window = self._window
+        if window is None:
+            self._plain_s = _average(self._plain_s, seconds, 0.2)
+            return
+        window.append(seconds)
+        if len(window) == AFTER_STEPS:
+            self._window = None
+            if self._plain_s > 0:
+                felt = self._stall_s + sum(window) - AFTER_STEPS * self._plain_s
+                self._felt_s = _average(self._felt_s, max(0.0, felt), 0.3)
+
+    def observe_capture(self, stall: float | None) -> None:
+        """A capture stalled the loop ``stall`` seconds (None: a first capture, which
+        allocated the slots and says nothing about the steady cost)."""
+        self._window = None if stall is None else []
+        self._stall_s = stall or 0.0
+
+    def observe_work(self, seconds: float) -> None:
+        self._work_s = _average(self._work_s, seconds, 0.3)
+
+    @property
+    def auto(self) -> bool:
+        return self._fixed is None
+
+    @property
+    def cost_s(self) -> float:
+        return max(self._work_s, self._felt_s)
+
+    @property
+    def interval(self) -> int:
+        if self._fixed is not None:
+            return self._fixed
+        step_s = self._plain_s or self._step_s
+        if step_s <= 0 or self.cost_s <= 0:
+            return 1
+        wanted = math.ceil(self.cost_s * UNSEEN_COST / (self._budget * step_s))
+        return max(1, min(AUTO_MAX_INTERVAL, wanted))
+
+
+def _average(mean: float, sample: float, weight: float) -> float:
+    """An exponential moving average, which a first sample (mean 0) starts."""
+    return sample if mean == 0 else (1 - weight) * mean + weight * sample
+
+
+class Snapshotter:
+    """Owned by the Session on the training thread; one background thread publishes.
+
+    ``capture`` raises what the keeper raises (``PeerUnreachable``, ``SlotBusy``,
+    ``ConfigError`` when shared memory is too small); background errors surface on the
+    next ``capture`` or ``flush``.
+    """
+
+    def __init__(self, client: KeeperClient, *, job: str, rank: int, generation: int,
+                 secret: bytes | None, policy: SnapshotPolicy,
+                 checksum_algo: str = DEFAULT_ALGO, checksum_workers: int = 0) -> None:
+        self._client = client
+        self._job, self._rank, self._generation = job, rank, generation
+        self._secret = secret
+        self._algo = check_algo(checksum_algo)
+        # copy + checksum threads: as many as torch's intra-op threads (the caller's share
+        # of the machine), the publishing thread among them
+        self._workers = checksum_workers or max(1, torch.get_num_threads())
+        self._helpers = ThreadPoolExecutor(self._workers - 1, thread_name_prefix=
+                                           "phalanx-checksum") if self._workers > 1 else None
+        self._control = _IntervalController(policy)
+        self._layout: SnapshotLayout | None = None
+        self._maps: dict[str, mmap.mmap] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-snapshot")
+        self._pending: Future | None = None
+        self._cuda_stream: Any = None
+        self._cuda_event: Any = None
+        self._last_capture_step = -1
+        self._agreed: int | None = None    # the job-wide auto interval, set by the Session
+        self._copied = threading.Event()
+        self._copied.set()
+        self._lock = threading.Lock()
+        self.stats = SnapshotStats()
+        # cross-replica verification (phalanx.runtime.consistency.verify): the step the keeper must not
+        # overwrite, and a callback (step, checksums, tree spec) after each publish
+        self.protect_step: int | None = None
+        self.on_published: Callable[[int, Mapping[str, str], dict], None] | None = None
+
+    def set_generation(self, generation: int) -> None:
+        self._generation = generation
+        self._client.generation = generation
+
+    def skip(self, step: int) -> None:
+        """Count ``step`` as snapshotted though its keeper is gone (every rank keeps
+        snapshotting the same steps); a publish still in flight is waited for and its error
+        dropped."""
+        self._settle()
+        self._last_capture_step = self.stats.last_capture_step = step
+
+    def use_client(self, client: KeeperClient) -> None:
+        """Snapshot through ``client`` (a keeper that replaced a lost one) from now on: the
+        next capture allocates its slots there."""
+        self._settle()
+        client.generation = self._generation
+        self._client = client
+        for mapping in self._maps.values():
+            _close_map(mapping)
+        self._maps, self._layout = {}, None
+
+    def _settle(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception as exc:  # a publish to the lost keeper: that snapshot is gone
+                log.info("event=snapshot_dropped rank=%d error=%r", self._rank, exc)
+
+    @property
+    def has_captured(self) -> bool:
+        return self._last_capture_step >= 0
+
+    def rewind(self, step: int) -> None:
+        """After a rollback to ``step``: the next capture is counted from there (and a
+        job-wide auto interval starts again at 1, as it does on a fresh replacement)."""
+        self._last_capture_step = step
+        if self._agreed is not None:
+            self._agreed = 1
+
+    @property
+    def auto(self) -> bool:
+        return self._control.auto
+
+    @property
+    def wanted_interval(self) -> int:
+        """The interval this rank's own measurements ask for."""
+        return self._control.interval
+
+    @property
+    def shares_interval(self) -> bool:
+        return self._agreed is not None
+
+    def agree_interval(self, interval: int) -> None:
+        """Snapshot every ``interval`` steps, as every rank agreed, instead of this rank's
+        own choice: every rank must snapshot the same steps, or no step would be complete
+        in a tier or committed across ranks."""
+        self._agreed = max(1, min(AUTO_MAX_INTERVAL, int(interval)))
+        self.stats.interval = self._agreed
+
+    def due(self, step: int) -> bool:
+        interval = self._control.interval if self._agreed is None else self._agreed
+        return step - self._last_capture_step >= interval
+
+    def observe_step(self, seconds: float) -> None:
+        self._control.observe_step(seconds)
+
+    def capture(self, step: int, objects: Mapping[str, Any]) -> float:
+        """Snapshot the state after ``step`` completed steps; returns the training stall (s)."""
+        started = time.perf_counter()
+        self.flush()
+        tensors, spec = flatten_state(objects)
+        fresh = self._layout is None or not self._layout.matches(tensors)
+        layout = self._layout_for(tensors)
+        if any(t.is_cuda for t in tensors.values()):
+            # device-to-host copies enqueued on a side stream into a claimed slot, with
+            # events along them so that checksums can follow the bytes as they land
+            slot, buf = self._claim(layout)
+            marks = _CopyMarks(self._stream())
+            write_into(buf, layout, tensors, non_blocking=True, stream=marks.stream,
+                       after=marks.add)
+            self._cuda_event = marks.close()
+            job = landing_job(layout, algo=self._algo, ready=marks.wait)
+            claimed: tuple[int, memoryview] | None = (slot, buf)
+        else:  # claim, copy and checksums run on background threads; see wait_for_copy
+            self._copied.clear()
+            job = write_job(layout, tensors, algo=self._algo)
+            claimed, marks = None, None
+        # the helper threads wake while the publishing thread claims the slot (CPU)
+        work = _Work(job, helpers(job, self._helpers, self._workers), tensors, claimed, marks)
+        stall = time.perf_counter() - started
+        # a capture that allocated the slots (page faults, file creation) says nothing about
+        # the steady cost the auto interval is for
+        self._pending = self._pool.submit(self._publish, step, layout, spec, work,
+                                          None if fresh else stall)
+        self._control.observe_capture(None if fresh else stall)
+        self._last_capture_step = self.stats.last_capture_step = step
+        self.stats.last_stall_s = stall
+        return stall
+
+    def wait_for_copy(self) -> None:
+        """Block until the last capture's bytes are copied out of the live tensors (CPU), or
+        make the current CUDA stream wait for the device-to-host copy. Called before anything
+        modifies captured tensors in place: an optimizer step, a forward that updates buffers
+        (BatchNorm statistics), the next capture."""
+        if not self._copied.is_set():
+            self._copied.wait()
+        if self._cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_event)
+
+    def flush(self) -> None:
+        """Wait until the last capture is published; re-raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown(wait=True)
+            if self._helpers is not None:
+                self._helpers.shutdown(wait=True)
+            for mapping in self._maps.values():
+                _close_map(mapping)
+            self._maps.clear()
+
+    # -- internals ---------------------------------------------------------------------
+    def _layout_for(self, tensors: Mapping[str, torch.Tensor]) -> SnapshotLayout:
+        if self._layout is not None and self._layout.matches(tensors):
+            return self._layout
+        layout = plan_layout(tensors)
+        paths = self._client.alloc(self._rank, layout.total_bytes)
+        for mapping in self._maps.values():
+            _close_map(mapping)
+        self._maps = {path: _map(path, layout.total_bytes) for path in paths}
+        if any(t.is_cuda for t in tensors.values()):
+            for mapping in self._maps.values():
+                _pin(mapping, layout.total_bytes)
+        self._layout = layout
+        self.stats.bytes = layout.total_bytes
+        log.info("event=snapshot_layout rank=%d bytes=%d tensors=%d slots=%d", self._rank,
+                 layout.total_bytes, len(layout.entries), len(paths))
+        return layout
+
+    def _claim(self, layout: SnapshotLayout) -> tuple[int, memoryview]:
+        protect = self.protect_step
+        try:
+            slot, path = self._client.claim(self._rank, protect)
+        except SlotBusy:
+            if protect is None:
+                raise
+            # a reader pins the only other slot: overwrite the protected step rather than
+            # fail the step (a rollback to it then falls back to an older source)
+            log.warning("event=protected_slot_given_up rank=%d step=%d", self._rank, protect)
+            slot, path = self._client.claim(self._rank)
+        self.stats.committed_step = self._client.committed
+        return slot, memoryview(self._maps[path])[:layout.total_bytes]
+
+    def _publish(self, step: int, layout: SnapshotLayout, spec: dict, work: _Work,
+                 stall: float | None) -> None:
+        started = time.perf_counter()
+        if work.claimed is None:     # CPU: each chunk hashed right after it is copied
+            try:
+                try:
+                    slot, buf = self._claim(layout)
+                    start_write(work.job, buf, layout, work.tensors)
+                finally:
+                    work.job.cancel()      # no-op once started; else frees the helpers
+                sums = finish(work.job, work.helpers)
+            finally:
+                self._copied.set()
+        else:                        # CUDA: each tensor hashed once its bytes landed
+            slot, buf = work.claimed
+            work.job.start(buf)
+            sums = finish(work.job, work.helpers)
+            assert work.marks is not None
+            work.marks.wait_all()
+        manifest = make_manifest(layout, sums, job=self._job, rank=self._rank, step=step,
+                                 generation=self._generation, tree_spec=spec,
+                                 created_at=time.time())
+        if self._secret:
+            manifest = manifest.sign(self._secret)
+        self._client.publish(self._rank, step, slot, manifest.to_json(), layout.total_bytes)
+        if self.on_published is not None:
+            self.on_published(step, sums, spec)
+        background = time.perf_counter() - started
+        if stall is not None:   # and the replicas the keeper pushed of the previous snapshot
+            self._control.observe_work(stall + background + self._client.replication_s)
+        with self._lock:
+            self.stats.captures += 1
+            self.stats.last_step = step
+            self.stats.last_background_s = background
+            if self._agreed is None:
+                self.stats.interval = self._control.interval
+
+    def _stream(self) -> Any:
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream()
+        return self._cuda_stream
+
+
+def _map(path: str, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _pin(mapping: mmap.mmap, size: int) -> None:
+    """Register the mapping with CUDA so device-to-host copies run at pinned speed."""
+    import ctypes
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    result = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+    if int(result) != 0:
+        log.warning("event=cuda_host_register_failed code=%s bytes=%d", result, size)
+
+
+def _close_map(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:  # a view is still alive; the GC unmaps it later
+        pass

@@ -1,0 +1,59 @@
+"""The tiers and job secret a phalanx config names, opened from that config alone: by the
+node keepers of a launched job, by DCP users outside one (``TieredStorageWriter.from_config``)
+and by tools, all with the same tier roots and job name, so each sees what the others wrote."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from phalanx.configs.errors import ConfigError
+from phalanx.configs.schema import PhalanxConfig
+from phalanx.runtime.base import Tier
+from phalanx.runtime.tiers.disk import DiskTier
+
+TIERS = ("disk", "s3")
+MIN_SECRET_BYTES = 16
+
+
+def disk_tier_root(cfg: PhalanxConfig, run_dir: str | Path | None) -> Path:
+    """``tiers.disk.path``, or ``<run dir>/checkpoints`` when it is empty. Raises
+    ConfigError when both are missing (outside a launched job there is no run dir)."""
+    if cfg.tiers.disk.path:
+        return Path(cfg.tiers.disk.path)
+    if run_dir is None:
+        raise ConfigError("tiers.disk.path", "is empty, and outside a launched job there is "
+                          "no run directory to keep checkpoints in",
+                          "set tiers.disk.path to a folder (the one `phalanx launch` should "
+                          "use too), or pass run_dir=")
+    return Path(run_dir) / "checkpoints"
+
+
+def open_tier(cfg: PhalanxConfig, name: str = "disk", *,
+              run_dir: str | Path | None = None) -> Tier:
+    """The tier ``name`` ("disk" or "s3") of ``cfg`` for job ``cfg.job.name``."""
+    if name == "disk":
+        return DiskTier(disk_tier_root(cfg, run_dir), cfg.job.name)
+    if name == "s3":
+        if not cfg.tiers.s3.bucket:
+            raise ConfigError("tiers.s3.bucket", "is empty", "set the bucket the S3 tier uses")
+        from phalanx.runtime.tiers.s3 import S3Tier  # boto3 only when an S3 tier is wanted
+
+        return S3Tier(cfg.tiers.s3, cfg.job.name)
+    raise ConfigError("tier", f"{name!r} is not a tier", f"use one of {list(TIERS)}")
+
+
+def read_job_secret(cfg: PhalanxConfig) -> bytes | None:
+    """``security.secret_file``'s bytes (a trailing newline dropped), None when unset.
+    Raises ConfigError when it cannot be read or holds under 16 bytes."""
+    path = cfg.security.secret_file
+    if not path:
+        return None
+    try:
+        secret = Path(path).read_bytes().rstrip(b"\r\n")
+    except OSError as exc:
+        raise ConfigError("security.secret_file", f"{path} cannot be read: "
+                          f"{exc.strerror or exc}",
+                          "point it at a readable file holding the job secret") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError("security.secret_file", f"{path} holds {len(secret)} bytes",
+                          "use at least 16 bytes, e.g. `openssl rand -hex 32 > FILE`")
+    return secret

@@ -1,0 +1,442 @@
+"""The tier persister: one background thread per node keeper that copies the keeper's
+published snapshots to persistent tiers (disk, S3) and commits them.
+
+Which step a tier persists: ``phalanx.runtime.tiers.cadence.pick_step``.
+
+Each node persists only its own ranks; the tier's ``COMMIT`` marker for a step appears
+once every rank of the job is there, written by whichever node finishes last:
+
+    node A (ranks 0,2)            tier                     node B (ranks 1,3)
+    pin/write/unpin 0,2  ──▶  step_21/rank_{0,2}.*
+    commit_step(21, all) ──▶  SnapshotNotFound (rank 1)   ... B still writing ...
+                              step_21/rank_{1,3}.*  ◀──   pin/write/unpin 1,3
+                              COMMIT               ◀──    commit_step(21, all) succeeds
+    retry commit_step    ──▶  COMMIT (rewritten, idempotent) → apply_retention(keep)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import re
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence, Union
+
+from phalanx.configs.errors import SnapshotCorrupt, SnapshotNotFound, TierUnavailable
+from phalanx.runtime.base import Tier
+from phalanx.runtime.keeper.daemon import Keeper
+from phalanx.runtime.tiers.cadence import pick_step
+from phalanx.runtime.snapshot.format import verify_snapshot
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TierPersister", "TierSpec", "payload_size", "pick_step"]
+_MAX_BACKOFF_DOUBLINGS = 4  # commit retries wait at most 16 x commit_retry_s
+_STAGE_CHUNK = 64 << 20     # a preempted copy stops within one chunk
+_TENSOR_RE = re.compile(r"tensor '([^']*)'")
+# (tier, every_steps, keep) or (tier, every_steps, keep, every_s)
+TierSpec = Union[tuple[Tier, int, int], tuple[Tier, int, int, float]]
+
+
+class _Preempted(Exception):
+    """The worker claimed the slot being copied (internal; becomes ``tier_skipped``)."""
+
+
+def payload_size(manifest: bytes, published: int, rank: int, step: int) -> int:
+    """Bytes of ``rank``'s payload at ``step`` to persist: the manifest's ``total_bytes``
+    when it records one (a worker may publish its whole, larger slot), else ``published``.
+    Raises SnapshotCorrupt when the manifest names another rank or step, or records more
+    bytes than were published."""
+    try:
+        raw = json.loads(manifest)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return published                  # an opaque manifest: the published size is all
+    if not isinstance(raw, dict):
+        return published
+    if raw.get("rank", rank) != rank or raw.get("step", step) != step:
+        raise SnapshotCorrupt(f"keeper slot of rank {rank} step {step} holds a manifest of "
+                              f"rank {raw.get('rank')!r} step {raw.get('step')!r}")
+    total = raw.get("total_bytes")
+    if type(total) is not int:
+        return published
+    if not 0 < total <= published:
+        raise SnapshotCorrupt(f"rank {rank} step {step}: manifest records {total} payload "
+                              f"bytes but the keeper published {published}")
+    return total
+
+
+@dataclass
+class _TierState:
+    """What the persister thread knows of one tier; mutated by that thread only."""
+
+    tier: Tier
+    every_steps: int
+    keep: int
+    every_s: float = 0.0
+    attempted: int = 0                 # newest step tried: persisted, skipped or failed
+    time_window: int = 0               # wall-clock window of the last attempt (every_s)
+    persisted: int | None = None
+    committed: int | None = None
+    skipped: int = 0                   # steps given up: gone, corrupt or preempted
+    pending: int | None = None         # persisted here, marker not yet written
+    pending_since: float = 0.0
+    next_commit_try: float = 0.0
+    commit_tries: int = 0
+    commit_alerted: bool = False       # tier_degraded sent for the pending step's commit
+    retry_step: int | None = None      # its write failed (tier unavailable): try it again
+    retry_at: float = 0.0
+    retry_tries: int = 0
+
+
+class TierPersister:
+    """Watches ``keeper.holdings()`` and persists every local rank's snapshot of the steps
+    ``pick_step`` chooses. ``tiers`` holds (tier, every_steps, keep[, every_s]);
+    ``world_ranks`` every rank of the job (the commit needs them all), ``local_ranks``
+    those this keeper holds. Payloads are verified against their manifest's checksums
+    first: a mismatch writes nothing of that step here, so it never commits.
+
+    With ``slots >= 3`` the tier reads the pinned slot itself (a worker's claim always
+    finds another slot). With 2 slots the slot is copied out under a pin that gives way to
+    the worker, as a replica push does, and the copy (one rank's payload of keeper memory)
+    is written unpinned: a claim mid-copy skips that step for that tier, and a slow tier
+    never stalls training. Retention runs only where the job's lowest rank is held.
+
+    Failures never leave the thread: a tier error (TierUnavailable, OSError) emits
+    ``tier_degraded`` once per step, and the write (or the commit) is tried again after
+    ``commit_retry_s``, doubling up to 16x, while the keeper still holds the step and no
+    newer window's step is due, so persistence rides out an endpoint outage; a step no
+    longer held, with a bad checksum or whose copy was preempted emits ``tier_skipped``
+    (``rank``, ``cause``, and the bad ``tensor``).
+    ``on_event`` (called from the persister thread; must not block) also gets
+    ``tier_persisted``, ``tier_committed``, ``tier_commit_abandoned``, ``tier_retention``
+    and ``persister_error`` dicts.
+    """
+
+    def __init__(self, keeper: Keeper, tiers: Sequence[TierSpec],
+                 world_ranks: Sequence[int], local_ranks: Sequence[int], *,
+                 poll_s: float = 0.1, on_event: Callable[[dict], None] | None = None,
+                 commit_retry_s: float = 1.0, commit_wait_s: float = 600.0,
+                 join_timeout_s: float = 30.0,
+                 wall_clock: Callable[[], float] = time.time,
+                 may_write: Callable[[], bool] | None = None) -> None:
+        """Raises ValueError for bad tiers or ranks. Does no I/O. ``may_write``: asked
+        before each round of writes (a fenced keeper must write nothing)."""
+        self._may_write = may_write
+        self._world = sorted(set(int(r) for r in world_ranks))
+        self.set_local_ranks(local_ranks)
+        if not self._local or not set(self._local) <= set(self._world):
+            raise ValueError(f"local_ranks {self._local} must be a non-empty subset of "
+                             f"world_ranks {self._world}")
+        names = [spec[0].name for spec in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be distinct, got {names}")
+        if poll_s <= 0 or commit_retry_s < 0 or commit_wait_s <= 0 or join_timeout_s <= 0:
+            raise ValueError("poll_s, commit_wait_s and join_timeout_s must be positive, "
+                             "commit_retry_s non-negative")
+        self._keeper, self._wall_clock = keeper, wall_clock
+        self._stage = keeper.slots < 3
+        self._states = [self._tier_state(*spec) for spec in tiers]
+        self._poll_s, self._on_event = poll_s, on_event
+        self._commit_retry_s, self._commit_wait_s = commit_retry_s, commit_wait_s
+        self._join_timeout_s = join_timeout_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _tier_state(self, tier: Tier, every: int, keep: int, every_s: float = 0.0) -> _TierState:
+        if every < 1 or keep < 1 or not every_s >= 0:
+            raise ValueError(f"tier {tier.name}: every_steps {every} and keep {keep} must be "
+                             f">= 1, every_s {every_s} >= 0")
+        state = _TierState(tier, every, keep, float(every_s))
+        state.time_window = self._time_window(state)
+        return state
+
+    # ----- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> "TierPersister":
+        """Start the persister thread. Raises RuntimeError when started twice."""
+        if self._thread is not None:
+            raise RuntimeError("TierPersister.start() called twice")
+        self._thread = threading.Thread(target=self._run, name=f"persister-{self._keeper.node}",
+                                        daemon=True)
+        self._thread.start()
+        log.info("persister.started node=%s ranks=%s staged=%s tiers=%s", self._keeper.node,
+                 self._local, self._stage,
+                 [f"{s.tier.name}:{s.every_steps}:{s.keep}:{s.every_s:g}" for s in self._states])
+        return self
+
+    def close(self) -> None:
+        """Stop after the rank being written and join the thread (up to join_timeout_s;
+        a tier call still blocked after that is left to its own timeouts). Idempotent."""
+        self._stop.set()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(self._join_timeout_s)
+        if thread.is_alive():
+            log.warning("persister.close_timeout node=%s timeout_s=%.1f", self._keeper.node,
+                        self._join_timeout_s)
+        else:
+            log.info("persister.closed node=%s persisted=%s committed=%s", self._keeper.node,
+                     self.last_persisted(), self.last_committed())
+
+    def __enter__(self) -> "TierPersister":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def last_persisted(self) -> dict[str, int]:
+        """Tier name → newest step whose local ranks this persister wrote there."""
+        with self._lock:
+            return {s.tier.name: s.persisted for s in self._states if s.persisted is not None}
+
+    def last_committed(self) -> dict[str, int]:
+        """Tier name → newest step this persister saw committed (retention applied after)."""
+        with self._lock:
+            return {s.tier.name: s.committed for s in self._states if s.committed is not None}
+
+    def skipped(self) -> dict[str, int]:
+        """Tier name → steps skipped there (gone, corrupt or preempted)."""
+        with self._lock:
+            return {s.tier.name: s.skipped for s in self._states}
+
+    def set_local_ranks(self, ranks: Sequence[int]) -> None:
+        """The ranks whose snapshots this keeper now holds (after a rank moved node); the
+        node that now holds the lowest rank takes over retention."""
+        local = sorted(set(int(r) for r in ranks))
+        self._local, self._retains = local, self._world[0] in local
+
+    # ----- the thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Thread boundary: every failure becomes an event, never an exception."""
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception as exc:  # noqa: BLE001 - thread boundary: report, keep going
+                log.exception("persister_error node=%s", self._keeper.node)
+                self._emit({"event": "persister_error", "error": f"{type(exc).__name__}: {exc}"})
+            self._stop.wait(self._poll_s)
+
+    def _tick(self) -> None:
+        if self._may_write is not None and not self._may_write():
+            return
+        ready = self._ready_steps(self._keeper.holdings())
+        for state in self._states:
+            if self._stop.is_set():
+                return
+            self._try_commit(state)
+            time_due = state.every_s > 0 and self._time_window(state) > state.time_window
+            step = pick_step(ready, state.attempted, state.every_steps, time_due)
+            if step is None:
+                step = self._due_retry(state, ready)
+            if step is not None:
+                self._persist(state, step)
+                self._try_commit(state)
+
+    def _due_retry(self, state: _TierState, ready: set[int]) -> int | None:
+        """The step whose write failed, once its retry is due and while it is held."""
+        step = state.retry_step
+        if step is None or time.monotonic() < state.retry_at:
+            return None
+        if step not in ready:            # the keeper moved on: the next window persists
+            log.info("tier_retry_dropped node=%s tier=%s step=%d tries=%d", self._keeper.node,
+                     state.tier.name, step, state.retry_tries)
+            state.retry_step, state.retry_tries = None, 0
+            return None
+        return step
+
+    def _time_window(self, state: _TierState) -> int:
+        return int(self._wall_clock() // state.every_s) if state.every_s > 0 else 0
+
+    def _ready_steps(self, holdings: dict[int, dict[str, Any]]) -> set[int]:
+        """Steps every local rank holds as a published local snapshot."""
+        steps: set[int] | None = None
+        for rank in self._local:
+            held = set(holdings.get(rank, {}).get("local", []))
+            steps = held if steps is None else steps & held
+        return steps or set()
+
+    def _persist(self, state: _TierState, step: int) -> None:
+        name, ranks = state.tier.name, list(self._local)
+        state.attempted = max(state.attempted, step)
+        state.time_window = self._time_window(state)
+        if state.retry_step != step:     # a newer step supersedes a failed one
+            state.retry_step, state.retry_tries = None, 0
+        started = time.monotonic()
+        written = 0
+        for rank in ranks:
+            if self._stop.is_set():
+                return
+            try:
+                written += self._write_rank(state.tier, rank, step)
+            except (SnapshotNotFound, SnapshotCorrupt, _Preempted) as exc:
+                self._skipped(state, step, rank, exc)
+                return
+            except (TierUnavailable, OSError) as exc:
+                self._write_failed(state, step, exc)
+                return
+        state.retry_step, state.retry_tries = None, 0
+        with self._lock:
+            state.persisted = step
+        self._emit({"event": "tier_persisted", "tier": name, "step": step, "ranks": ranks,
+                    "bytes": written, "seconds": round(time.monotonic() - started, 6)})
+        if state.pending is not None:
+            self._emit({"event": "tier_commit_abandoned", "tier": name, "step": state.pending,
+                        "reason": f"superseded by step {step}"}, logging.WARNING)
+        state.pending, state.pending_since = step, time.monotonic()
+        state.next_commit_try, state.commit_tries, state.commit_alerted = 0.0, 0, False
+
+    def _write_rank(self, tier: Tier, rank: int, step: int) -> int:
+        """Verify ``rank``'s payload at ``step`` against its manifest, then write it.
+        Returns payload bytes; raises SnapshotNotFound (no longer held), SnapshotCorrupt
+        (checksums), _Preempted (2 slots: the worker claimed it) or what the tier raises."""
+        with self._payload(rank, step) as (view, manifest):
+            verify_snapshot(view, manifest, secret=None,
+                            source=f"keeper {self._keeper.node} rank {rank} step {step}")
+            tier.write_rank(step, rank, view, manifest)
+            return view.nbytes
+
+    @contextmanager
+    def _payload(self, rank: int, step: int) -> Iterator[tuple[memoryview, bytes]]:
+        """A read-only view of the payload and its manifest: the pinned slot itself, or
+        (2 slots) a private copy made under a pin that gives way to the worker's claim."""
+        preempted = threading.Event()
+        on_claim = preempted.set if self._stage else None  # the keeper's lock is held
+        _, held = self._keeper.pin(rank, step, on_claim=on_claim)
+        try:
+            manifest = held.manifest
+            size = payload_size(manifest, held.used, rank, step)
+            try:
+                slot = held.buf.view(size)
+            except ValueError as exc:     # the keeper closed and unmapped the slot
+                raise SnapshotNotFound(f"keeper {self._keeper.node}: rank {rank} step "
+                                       f"{step} is no longer mapped") from exc
+            with slot, slot.toreadonly() as view:
+                if not self._stage:
+                    yield view, manifest
+                    return
+                copy = _copy_unless(view, preempted, f"rank {rank} step {step}")
+        finally:
+            self._keeper.unpin(held, on_claim)
+        try:
+            with memoryview(copy) as whole, whole.toreadonly() as view:
+                yield view, manifest
+        finally:
+            _close_quietly(copy)
+
+    def _try_commit(self, state: _TierState) -> None:
+        """Write the pending step's marker once every rank of the job is in the tier. A
+        missing rank (another node still writing) or an unavailable tier (one
+        ``tier_degraded``) is retried after commit_retry_s, doubling up to 16x (each try
+        lists the step: keep S3 LISTs per node few), until commit_wait_s passes or a
+        newer persisted step supersedes it."""
+        step, now = state.pending, time.monotonic()
+        if step is None or now < state.next_commit_try:
+            return
+        name = state.tier.name
+        try:
+            state.tier.commit_step(step, self._world)
+        except (SnapshotNotFound, TierUnavailable, OSError) as exc:
+            if not isinstance(exc, SnapshotNotFound) and not state.commit_alerted:
+                state.commit_alerted = True
+                self._degraded(state, step, exc)
+            if now - state.pending_since < self._commit_wait_s:
+                backoff = 2 ** min(state.commit_tries, _MAX_BACKOFF_DOUBLINGS)
+                state.next_commit_try = now + self._commit_retry_s * backoff
+                state.commit_tries += 1
+                return
+            state.pending = None
+            self._emit({"event": "tier_commit_abandoned", "tier": name, "step": step,
+                        "reason": f"not complete after {self._commit_wait_s:.0f}s: {exc}"},
+                       logging.WARNING)
+            return
+        state.pending = None
+        self._emit({"event": "tier_committed", "tier": name, "step": step})
+        if self._retains:
+            self._retain(state, step)
+        with self._lock:
+            state.committed = step
+
+    def _retain(self, state: _TierState, step: int) -> None:
+        try:
+            deleted = state.tier.apply_retention(state.keep)
+        except (TierUnavailable, OSError) as exc:
+            self._degraded(state, step, exc)
+            return
+        if deleted:
+            self._emit({"event": "tier_retention", "tier": state.tier.name, "keep": state.keep,
+                        "deleted": deleted})
+
+    def _skipped(self, state: _TierState, step: int, rank: int, exc: Exception) -> None:
+        cause = {SnapshotNotFound: "gone", SnapshotCorrupt: "corrupt"}.get(type(exc), "preempted")
+        event = {"event": "tier_skipped", "tier": state.tier.name, "step": step, "rank": rank,
+                 "cause": cause, "reason": str(exc)}
+        bad = _TENSOR_RE.search(str(exc)) if cause == "corrupt" else None
+        if bad is not None:
+            event["tensor"] = bad.group(1)
+        with self._lock:
+            state.skipped += 1
+        self._emit(event, logging.ERROR if cause == "corrupt" else logging.WARNING)
+
+    def _write_failed(self, state: _TierState, step: int, exc: BaseException) -> None:
+        """A tier error writing ``step``: alert once per step, retry it after a backoff."""
+        if state.retry_step == step:
+            log.info("tier_retry_failed node=%s tier=%s step=%d tries=%d error=%s",
+                     self._keeper.node, state.tier.name, step, state.retry_tries, exc)
+        else:
+            self._degraded(state, step, exc)
+        backoff = 2 ** min(state.retry_tries, _MAX_BACKOFF_DOUBLINGS)
+        state.retry_step, state.retry_tries = step, state.retry_tries + 1
+        state.retry_at = time.monotonic() + self._commit_retry_s * backoff
+
+    def _degraded(self, state: _TierState, step: int, exc: BaseException) -> None:
+        self._emit({"event": "tier_degraded", "tier": state.tier.name, "step": step,
+                    "error": f"{type(exc).__name__}: {exc}"}, logging.WARNING)
+
+    def _emit(self, event: dict[str, Any], level: int = logging.INFO) -> None:
+        fields = " ".join(f"{k}={_log_value(v)}" for k, v in event.items() if k != "event")
+        log.log(level, "%s node=%s %s", event["event"], self._keeper.node, fields)
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(dict(event))
+        except Exception:  # noqa: BLE001 - a listener's bug must not stop persisting
+            log.exception("persister.on_event_failed event=%s", event["event"])
+
+
+def _copy_unless(src: memoryview, preempted: threading.Event, what: str) -> mmap.mmap:
+    """A private copy of ``src``, made chunk by chunk; raises _Preempted once
+    ``preempted`` is set before the last chunk (after it the copy is whole: the claim
+    waits for the unpin)."""
+    copy = mmap.mmap(-1, src.nbytes)
+    try:
+        with memoryview(copy) as dst:
+            for start in range(0, src.nbytes, _STAGE_CHUNK):
+                if preempted.is_set():
+                    raise _Preempted(f"{what}: the worker claimed the slot mid-copy")
+                dst[start:start + _STAGE_CHUNK] = src[start:start + _STAGE_CHUNK]
+    except BaseException:
+        _close_quietly(copy)
+        raise
+    return copy
+
+
+def _close_quietly(copy: mmap.mmap) -> None:
+    try:
+        copy.close()
+    except BufferError:  # a traceback still holds a view of it: the GC unmaps it
+        pass
+
+
+def _log_value(value: Any) -> str:
+    """One token per key=value field: strings quoted, lists without spaces."""
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, list):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)

@@ -1,0 +1,85 @@
+"""The worker's drill hooks, installed only when the run has drills on (``drills.enabled`` or
+a scenario; ``WorkerContext.drills``):
+
+- SIGUSR1 raises ``InjectedFault`` in the training thread (the ``worker_exception`` drill);
+- where the registered CPU tensors live in the address space, written as a small JSON file
+  in the run directory (``memory/rank<r>-<worker>.json``) at start and after every restore,
+  so the ``corrupt_params`` drill can flip a bit in them from outside the process
+  (``phalanx.launcher.drills.faults.memory``). The file names only addresses and sizes,
+  never contents."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from phalanx.configs.errors import InjectedFault
+from phalanx.runtime.snapshot.state_tree import flatten_state
+
+log = logging.getLogger(__name__)
+MEMORY_DIR = "memory"
+MAP_FORMAT = 1
+
+
+def map_path(run_dir: str | Path, rank: int, worker_id: str) -> Path:
+    return Path(run_dir) / MEMORY_DIR / f"rank{rank}-{worker_id}.json"
+
+
+def tensor_table(objects: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """{tensor name: address, nbytes, dtype, shape, object} of the registered objects'
+    contiguous CPU tensors (the session's own ``__*`` objects left out), in registration
+    order. Raises TypeError like a capture would for state that cannot be flattened."""
+    tensors, _ = flatten_state({n: o for n, o in objects.items() if not n.startswith("__")})
+    return {name: {"address": t.data_ptr(), "nbytes": t.numel() * t.element_size(),
+                   "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                   "object": name.split("/", 1)[0]}
+            for name, t in tensors.items()
+            if t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0}
+
+
+def write_memory_map(run_dir: str | Path, rank: int, worker_id: str, generation: int,
+                     objects: Mapping[str, Any]) -> Path | None:
+    """Write (atomically) this process's map; None when it cannot (logged, not raised: a
+    drill aid must never fail training)."""
+    path = map_path(run_dir, rank, worker_id)
+    try:
+        doc = {"format": MAP_FORMAT, "pid": os.getpid(), "rank": rank, "worker_id": worker_id,
+               "generation": generation, "written_at": time.time(),
+               "tensors": tensor_table(objects)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(doc, separators=(",", ":")), encoding="utf-8")
+        os.replace(tmp, path)
+    except (OSError, TypeError) as exc:
+        log.warning("event=memory_map_not_written rank=%d path=%s error=%r", rank, path, exc)
+        return None
+    return path
+
+
+def read_memory_maps(run_dir: str | Path, rank: int) -> list[dict[str, Any]]:
+    """Every map written for ``rank`` in the run (one per worker that held it), newest
+    first; unreadable files are skipped."""
+    found = []
+    for path in (Path(run_dir) / MEMORY_DIR).glob(f"rank{rank}-*.json"):
+        try:
+            found.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return sorted((d for d in found if isinstance(d, dict) and d.get("rank") == rank),
+                  key=lambda d: float(d.get("written_at", 0)), reverse=True)
+
+
+def raise_on_sigusr1() -> None:
+    """A drill's ``worker_exception`` fault: SIGUSR1 makes the training thread raise
+    ``InjectedFault`` wherever it is in its step, as a real bug or a device error would.
+    Only from the main thread (where Python runs signal handlers)."""
+    def handler(signum: int, frame: object) -> None:
+        raise InjectedFault(f"drill: worker_exception injected with signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, handler)

@@ -1,0 +1,58 @@
+"""How a rank joins a new generation: turn the plan's restore sources into ladder sources,
+pull and apply the rank's state at the restore step, and re-form the collective."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from phalanx.configs.schema import S3TierConfig
+from phalanx.runtime.keeper.wire import KeeperClient
+from phalanx.runtime.snapshot.restore import (KeeperSource, RestoreResult, SnapshotSource,
+                                              TierSource, restore)
+from phalanx.runtime.tiers.disk import DiskTier
+
+log = logging.getLogger(__name__)
+
+
+def ladder_sources(descriptors: Sequence[Mapping[str, Any]], *, job: str, secret: bytes | None,
+                   timeout_s: float, generation: int,
+                   local_node: str | None = None) -> list[SnapshotSource]:
+    """Sources for ``restore`` from the plan's plain descriptors, in the plan's order; the
+    keeper of ``local_node`` (this process's node) lends its slots to be mapped."""
+    sources: list[SnapshotSource] = []
+    for item in descriptors:
+        kind = item.get("kind")
+        if kind == "keeper":
+            host, port, node = str(item["host"]), int(item["port"]), str(item.get("node", "?"))
+
+            def factory(host: str = host, port: int = port) -> KeeperClient:
+                return KeeperClient(host, port, secret or b"", job, timeout_s=timeout_s,
+                                    role="restore", generation=generation)
+
+            sources.append(KeeperSource(f"keeper {node}", factory,
+                                        local=local_node is not None and node == local_node))
+        elif kind == "tier" and item.get("tier") == "disk":
+            sources.append(TierSource(DiskTier(Path(str(item["path"])), job)))
+        elif kind == "tier" and item.get("tier") == "s3":
+            from phalanx.runtime.tiers.s3 import S3Tier
+
+            sources.append(TierSource(S3Tier(S3TierConfig(**item["config"]), job)))
+        else:
+            log.warning("event=unknown_restore_source descriptor=%r", dict(item))
+    return sources
+
+
+def restore_rank(objects: Mapping[str, Any], rank: int, step: int,
+                 descriptors: Sequence[Mapping[str, Any]], *, job: str, secret: bytes | None,
+                 timeout_s: float, generation: int,
+                 local_node: str | None = None) -> RestoreResult:
+    """Apply (rank, step) from the first verified source; raises ``SnapshotNotFound``."""
+    started = time.perf_counter()
+    sources = ladder_sources(descriptors, job=job, secret=secret, timeout_s=timeout_s,
+                             generation=generation, local_node=local_node)
+    result = restore(objects, rank, step, sources, secret, job)
+    log.info("event=rank_restored rank=%d step=%d source=%r bytes=%d seconds=%.3f", rank, step,
+             result.source, result.manifest.total_bytes, time.perf_counter() - started)
+    return result

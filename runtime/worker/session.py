@@ -1,0 +1,490 @@
+"""The training script's handle on phalanx: registered state, the step boundary, the
+collective of the current generation, membership and recovery of one rank.
+
+    session = phalanx.Session()
+    session.register(model=model, optimizer=opt)
+    session.extras["seen"] = 0             # initial values before start(), which may restore
+    with session:
+        while session.step_index < steps:
+            with session.step():
+                ...  # forward, backward, session.all_reduce(grad), optimizer.step()
+                session.extras["seen"] += batch_size   # inside the step: in its snapshot
+
+A failed collective inside a step (a peer died or hung) ends that step: the session waits
+for the next generation's plan, rolls its state back to the plan's restore step and
+returns from ``step()``; ``step_index`` then says which step to run.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from phalanx.configs.errors import (LeaseLost, MembershipUnavailable, PeerUnreachable,
+                                    StaleGeneration)
+from phalanx.runtime.base import MemberRecord
+from phalanx.runtime.group.collective import Collective, CollectiveAborted
+from phalanx.runtime.context import WorkerContext
+from phalanx.runtime.membership.generation import Fenced, GenerationWatcher
+from phalanx.runtime.worker.heartbeat import Heartbeat
+from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address
+from phalanx.runtime.keeper.wire import KeeperClient
+from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
+from phalanx.runtime.worker.drill_hooks import raise_on_sigusr1, write_memory_map
+from phalanx.runtime.group.process_group import connect_store, connect_store_at
+from phalanx.runtime.worker.rejoin import restore_rank
+from phalanx.runtime.consistency.digest import REPLICAS_EXTRA
+from phalanx.runtime.consistency.repair import split_sources, try_repair
+from phalanx.runtime.consistency.verify import ReplicaVerifier, replicated_names
+from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter
+from phalanx.runtime.snapshot.state_tree import RNGState, assign_in_place, object_kind
+
+log = logging.getLogger(__name__)
+FINISHED_PREFIX = "finished/"
+
+
+class _Progress:
+    """The session's own state inside every snapshot: which step runs next, and the
+    script's extras (plain values read and written through ``Session.extras``)."""
+
+    def __init__(self) -> None:
+        self.step_index = 0
+        self.extras: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step_index": self.step_index, "extras": dict(self.extras)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Roll back to ``state``: the extras dict keeps its identity and ends up holding
+        exactly the captured keys; a dict, list or same-shaped tensor value is refilled in
+        place (references the script holds see the restored content)."""
+        self.step_index = int(state["step_index"])
+        restored = state.get("extras", {})  # snapshots older than extras hold none
+        for key in [k for k in self.extras if k not in restored]:
+            del self.extras[key]
+        for key, value in restored.items():
+            self.extras[key] = (assign_in_place(self.extras[key], value)
+                                if key in self.extras else value)
+
+
+class Session:
+    """One rank's participation in a phalanx job; used from the training thread.
+
+    Training state is captured at every snapshot and rolled back by a recovery:
+    ``register()``-ed objects with ``state_dict()``/``load_state_dict()``, the RNGs, and
+    ``extras``, a dict the script reads and writes for plain values (an epoch counter, a
+    data cursor, a best loss). An extra may be a JSON value (None, bool, int, float, str,
+    and lists, tuples and dicts of those with str or int keys), a tensor or a numeric
+    numpy array; whatever ``extras`` holds when a snapshot is taken is what a restore of
+    that step brings back (keys added since are removed). Set initial values before
+    ``start()`` (a replacement rank's ``start()`` restores them; a tensor restored without
+    an initial value to copy into comes back on the CPU) and update them inside
+    ``step()``: the snapshot taken as a step ends holds the extras as they are then. Store
+    a new tensor rather than changing one in place during the next step: a snapshot copies
+    tensors in the background while that step runs. An unsupported value raises TypeError
+    naming its key (``__phalanx__/extras/<key>``) at the next snapshot.
+
+    ``start()`` restores the rank's state when it replaces a lost rank, joins the
+    generation's group and etcd; raises ``PeerUnreachable``, ``MembershipUnavailable`` or
+    ``SnapshotNotFound``. A heartbeat thread reports progress every ``heartbeat_s``.
+    """
+
+    def __init__(self, context: WorkerContext | None = None, capture_rng: bool = True) -> None:
+        self.context = context or WorkerContext.from_env()
+        self._progress = _Progress()
+        self._objects: dict[str, Any] = {"__phalanx__": self._progress}
+        if capture_rng:
+            self._objects["__rng__"] = RNGState()
+        self.generation = self.context.generation
+        self.recoveries = 0
+        self._keeper: KeeperLink | None = None
+        self._snapshotter: Snapshotter | None = None
+        self._collective: Collective | None = None
+        self._collective_error: dict[str, Any] | None = None
+        self._store_address = (self.context.master_addr, self.context.master_port)
+        self._membership: EtcdMembership | None = None
+        self._watcher: GenerationWatcher | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._first_step_at = 0.0
+        self._restored: dict[str, Any] | None = None   # the last restore: step, source, bytes
+        self._awaiting_first_step = False
+        self._started = False
+        self._agreement: tuple[Any, torch.Tensor] | None = None   # see _agree_interval
+        self._verifier: ReplicaVerifier | None = None    # detection.compare_replicas
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> "Session":
+        if self._started:
+            return self
+        ctx = self.context
+        log.info("event=session_start rank=%d generation=%d", ctx.rank, ctx.generation)
+        torch.set_num_threads(ctx.torch_threads)
+        if ctx.etcd_endpoints:
+            self._membership = EtcdMembership(list(ctx.etcd_endpoints),
+                                              job_prefix(ctx.etcd_prefix, ctx.job),
+                                              **client_options(**ctx.etcd_client)).connect(
+                retry_for_s=ctx.group_timeout_s)
+            self._watcher = GenerationWatcher(self._membership).start()
+        if ctx.keeper_port:
+            self._start_snapshots()
+        if ctx.drills:
+            raise_on_sigusr1()
+        restore = ctx.extra.get("restore")
+        if isinstance(restore, dict):
+            self._apply_restore(int(restore["step"]), restore["sources"], ctx.generation)
+            self._awaiting_first_step = True
+        if not ctx.standalone_run:
+            self._collective = Collective(lambda: connect_store(ctx, ctx.group_timeout_s),
+                                          ctx.rank, ctx.world_size, ctx.group_timeout_s)
+            try:
+                self._collective.form(ctx.generation, should_abort=self._superseded(ctx.generation))
+            except CollectiveAborted as exc:  # e.g. a second node died while this rank started
+                if self._watcher is None:
+                    raise
+                self._recover(str(exc))
+        if self._membership is not None:
+            self._membership.join(self._record(), ctx.lease_ttl_s)
+            self._heartbeat = Heartbeat(
+                self._membership, ctx.rank, ctx.worker_id, self._record, self._beat_state,
+                lambda: self.generation, ctx.heartbeat_s, ctx.lease_ttl_s, self._stop,
+                self._wake).start()
+        if ctx.drills and ctx.run_dir:   # registered tensors' addresses, for corrupt_params
+            write_memory_map(ctx.run_dir, ctx.rank, ctx.worker_id, self.generation, self._objects)
+        self._started = True
+        return self
+
+    def _start_snapshots(self) -> None:
+        ctx = self.context
+        client = self._open_keeper(ctx.keeper_host, ctx.keeper_port)
+        self._keeper = KeeperLink(client, self._open_keeper,
+                                  lambda: keeper_address(self._membership, ctx.node))
+        every: int | str = "auto" if ctx.snapshot_every == "auto" else int(ctx.snapshot_every)
+        self._snapshotter = Snapshotter(
+            client, job=ctx.job, rank=ctx.rank, generation=ctx.generation,
+            secret=ctx.secret, policy=SnapshotPolicy(every, ctx.overhead_budget),
+            checksum_algo=ctx.checksum)
+        if self._snapshotter.auto and not ctx.standalone_run and ctx.world_size > 1:
+            self._snapshotter.agree_interval(1)     # see _agree_interval
+        names = replicated_names(ctx)
+        if names:
+            self._verifier = ReplicaVerifier(names, ctx.world_size, ctx.generation,
+                                             self._snapshotter)
+        for obj in self._objects.values():
+            self._hook_optimizer(obj)
+
+    def _open_keeper(self, host: str, port: int, timeout_s: float | None = None) -> KeeperClient:
+        ctx = self.context
+        return KeeperClient(host, port, ctx.secret or b"", ctx.job,
+                            timeout_s=timeout_s or ctx.group_timeout_s, generation=self.generation)
+
+    def _capture(self, snapshotter: Snapshotter) -> None:
+        """Snapshot the current step; skipped while the node's keeper is gone (it is being
+        replaced: ``phalanx.runtime.worker.keeper_link``)."""
+        assert self._keeper is not None
+        self._keeper.capture(snapshotter, self._progress.step_index, self._objects)
+
+    def _hook_optimizer(self, obj: Any) -> None:
+        """Snapshots copy the live tensors in the background while the next step's forward
+        and backward run: an optimizer step, and the forward of a module that updates
+        buffers in place (BatchNorm statistics), first wait for that copy to finish."""
+        snapshotter = self._snapshotter
+        if snapshotter is None:
+            return
+        if isinstance(obj, torch.optim.Optimizer):
+            obj.register_step_pre_hook(lambda *_: snapshotter.wait_for_copy())
+        elif isinstance(obj, torch.nn.Module) and any(True for _ in obj.buffers()):
+            obj.register_forward_pre_hook(lambda *_: snapshotter.wait_for_copy())
+
+    def close(self) -> None:
+        """Publish the last snapshot, leave membership and stop the heartbeat; groups are
+        dropped with the process (never destroyed: that can block on a dead peer)."""
+        self._stop.set()
+        self._wake.set()
+        if self._snapshotter is not None:
+            try:
+                self._snapshotter.close()
+            except PeerUnreachable as exc:     # the keeper died under the last publish
+                log.warning("event=last_snapshot_lost rank=%d error=%s", self.rank, exc)
+            self._snapshotter = None
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
+        if self._heartbeat is not None:
+            self._heartbeat.join(self.context.heartbeat_s * 4)
+            self._heartbeat = None
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        if self._membership is not None:
+            try:
+                self._membership.update(self._record(state="finished"))
+                # a plain key that outlives our lease: "left on purpose", not a lost lease
+                self._membership.put(f"{FINISHED_PREFIX}{self.context.worker_id}",
+                                     str(self._progress.step_index).encode())
+            except (MembershipUnavailable, LeaseLost) as exc:
+                log.warning("event=final_progress_lost rank=%d error=%s", self.rank, exc)
+            self._membership.close()
+            self._membership = None
+        self._started = False
+
+    def __enter__(self) -> "Session":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- identity ---------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    @property
+    def step_index(self) -> int:
+        """The step the loop should run next (it moves back after a recovery)."""
+        return self._progress.step_index
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return None if self._collective is None else self._collective.group
+
+    @property
+    def committed_step(self) -> int:
+        """The newest step committed job-wide (every rank's snapshot of it held by
+        ``replication.factor + 1`` keepers) that this worker has heard of: its keeper passes
+        it on at every snapshot, so it lags by up to a snapshot interval plus a heartbeat.
+        -1 before the first commit, or without snapshots."""
+        stats = self.snapshot_stats
+        return -1 if stats is None else stats.committed_step
+
+    @property
+    def snapshot_stats(self) -> Any:
+        """Counters of the snapshotter (captures, last stall, interval), or None."""
+        return None if self._snapshotter is None else self._snapshotter.stats
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        """The script's plain-value state (see the class docstring): read and assign keys
+        (``session.extras["epoch"] = epoch``); captured at each snapshot, restored (same
+        dict object) after a recovery or a restart from a snapshot."""
+        return self._progress.extras
+
+    # -- state and steps ---------------------------------------------------------------
+    def register(self, **objects: Any) -> None:
+        """Register training state by name: anything with ``state_dict()``/``load_state_dict()``
+        (model, optimizer, scheduler, sampler), a ``torch.Generator``, ``phalanx.RNGState()``.
+        A plain value (JSON value, tensor, numpy array) becomes ``extras[name]``: update it
+        there (``session.extras[name] = v``), since rebinding a local name is invisible to
+        the session; a registered dict, list or tensor is also refilled in place on restore.
+        Raises ValueError for a name already registered, already an extra, or reserved."""
+        for name, obj in objects.items():
+            if name in self._objects or name in self.extras or name.startswith("__"):
+                raise ValueError(f"state {name!r} is already registered or reserved")
+            if object_kind(obj) == "value":
+                self.extras[name] = obj
+                continue
+            self._objects[name] = obj
+            self._hook_optimizer(obj)
+
+    @contextmanager
+    def step(self) -> Iterator[int]:
+        """Wrap one training step; yields the step index being run. A collective failure in
+        the step is recovered from here (the step's effects are rolled back)."""
+        if not self._started:
+            self.start()
+        snapshotter = self._snapshotter
+        if snapshotter is not None and not snapshotter.has_captured:
+            self._capture(snapshotter)  # the initial state
+            if self._verifier is not None:
+                self._verifier.note_capture(self._progress.step_index)
+        started = time.perf_counter()
+        try:
+            yield self._progress.step_index
+        except CollectiveAborted as exc:
+            self._recover(str(exc))
+            return
+        self._progress.step_index += 1
+        if self._awaiting_first_step:  # the first step of a new generation: report it now
+            self._awaiting_first_step = False
+            self._first_step_at = time.time()
+            self._wake.set()
+        if snapshotter is not None:
+            snapshotter.observe_step(time.perf_counter() - started)
+            if snapshotter.due(self._progress.step_index):
+                if not self._compare_replicas(collect=True):
+                    return
+                try:
+                    self._capture(snapshotter)
+                except StaleGeneration as exc:  # the keeper already serves a newer generation
+                    self._recover(f"snapshot fenced: {exc}")
+                    return
+                if not self._compare_replicas(collect=False):
+                    return
+                if snapshotter.shares_interval:
+                    self._agree_interval(snapshotter)
+
+    def _compare_replicas(self, collect: bool) -> bool:
+        """``detection.compare_replicas`` at a snapshot step (``phalanx.runtime.consistency.verify``):
+        collect the previous comparison before the capture (its verified step is what the
+        capture's slot claim protects), start the next one after it. False when a failed
+        collective made this rank recover instead."""
+        verifier = self._verifier
+        if verifier is None:
+            return True
+        try:
+            if not collect:
+                verifier.start(self._progress.step_index, self._start_reduce)
+            elif (found := verifier.collect(self._wait_reduce)) and found.state == "diverged":
+                self._wake.set()        # the launcher learns it at once, not next heartbeat
+        except CollectiveAborted as exc:
+            self._recover(str(exc))
+            return False
+        return True
+
+    def _agree_interval(self, snapshotter: Snapshotter) -> None:
+        """``every_steps: auto`` in a multi-rank job: at each snapshot step (the same on
+        every rank, by induction from step 0 and from every restore step) the ranks take
+        the largest interval any of them wants, in one all_reduce of world_size integers on
+        the session's own group, so every rank snapshots the same steps. The all_reduce
+        started at one snapshot step is collected at the next (long done by then, so no
+        rank waits for a slower one); its interval applies from there on every rank."""
+        pending, self._agreement = self._agreement, None
+        try:
+            if pending is not None:
+                work, agreed = pending
+                self._wait_reduce(work, agreed)
+                snapshotter.agree_interval(int(agreed.max()))
+            wanted = torch.zeros(self.world_size, dtype=torch.int64)
+            wanted[self.rank] = snapshotter.wanted_interval
+            self._agreement = (self._start_reduce(wanted), wanted)
+        except CollectiveAborted as exc:
+            self._recover(str(exc))
+
+    def _start_reduce(self, tensor: torch.Tensor) -> Any:
+        if self._collective is None:      # standalone (or a test's reducer): at once
+            self.all_reduce(tensor)
+            return None
+        return self._collective.start_all_reduce(tensor)
+
+    def _wait_reduce(self, work: Any, tensor: torch.Tensor) -> torch.Tensor:
+        if work is None or self._collective is None:
+            return tensor
+        watcher, generation = self._watcher, self.generation
+        return self._collective.wait(
+            work, tensor, lambda: watcher is not None and watcher.newer_than(generation))
+
+    def _superseded(self, generation: int) -> Callable[[], bool]:
+        watcher = self._watcher
+        return lambda: watcher is not None and watcher.newer_than(generation)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over every rank of the current generation; raises
+        ``CollectiveAborted`` (handled by ``step()``) when a peer fails."""
+        if self._collective is None:
+            return tensor
+        watcher = self._watcher
+        generation = self.generation
+        return self._collective.all_reduce(
+            tensor, lambda: watcher is not None and watcher.newer_than(generation))
+
+    # -- recovery ----------------------------------------------------------------------
+    def _recover(self, reason: str) -> None:
+        """Wait for the next generation's plan, roll back to its restore step, re-form."""
+        started = time.perf_counter()
+        log.warning("event=collective_aborted rank=%d generation=%d reason=%r", self.rank,
+                    self.generation, reason)
+        # told to the coordinator with the next heartbeat (sent at once): a failed group
+        # with no other fault to explain it (a cut link) is a fault of its own
+        self._collective_error = {"generation": self.generation, "detail": reason[:200]}
+        self._wake.set()
+        assert self._collective is not None and self._watcher is not None
+        self._collective.abandon()
+        if self._snapshotter is not None:
+            try:
+                self._snapshotter.flush()
+            except Exception as exc:  # a publish cut short by the fault; the plan decides
+                log.warning("event=snapshot_flush_failed rank=%d error=%r", self.rank, exc)
+        plan = self._watcher.wait_plan(self.generation, self.context.plan_timeout_s)
+        assignment = plan.ranks.get(self.rank)
+        if assignment is None or assignment.worker != self.context.worker_id:
+            raise Fenced(f"rank {self.rank} of generation {plan.generation} belongs to "
+                         f"{assignment.worker if assignment else 'nobody'}, not "
+                         f"{self.context.worker_id}")
+        self._apply_restore(plan.restore_step, assignment.sources, plan.generation)
+        if plan.store is not None and plan.store != self._store_address:
+            self._store_address = plan.store      # a standby coordinator took over
+            host, port = plan.store
+            log.warning("event=store_moved rank=%d store=%s:%d", self.rank, host, port)
+            self._collective.use_store(
+                lambda: connect_store_at(host, port, self.context.group_timeout_s))
+        try:
+            self._collective.form(plan.generation, world_size=plan.world_size,
+                                  should_abort=self._superseded(plan.generation))
+        except CollectiveAborted as exc:    # another fault while re-forming: next plan
+            self._recover(str(exc))
+            return
+        self.generation = plan.generation
+        self._collective_error = None
+        self._awaiting_first_step = True
+        self.recoveries += 1
+        log.warning("event=rank_rejoined rank=%d generation=%d restore_step=%d seconds=%.3f",
+                    self.rank, plan.generation, plan.restore_step, time.perf_counter() - started)
+
+    def _apply_restore(self, step: int, sources: Any, generation: int) -> None:
+        ctx = self.context
+        started = time.perf_counter()
+        sources, peers = split_sources(sources)
+        result = restore_rank(self._objects, ctx.rank, step, sources, job=ctx.job,
+                              secret=ctx.secret, timeout_s=ctx.group_timeout_s,
+                              generation=generation, local_node=ctx.node)
+        # silent corruption: the replicated objects from a healthy peer's snapshot
+        repaired = try_repair(self._objects, step, peers, job=ctx.job, secret=ctx.secret,
+                              timeout_s=ctx.group_timeout_s, generation=generation)
+        self._restored = {"generation": generation, "step": step, "source": result.source,
+                          "bytes": result.manifest.total_bytes,
+                          "seconds": round(time.perf_counter() - started, 4),
+                          "refused": [f"{where}: {why}"[:160] for where, why in result.failures]}
+        if repaired is not None:
+            self._restored.update(source=repaired, own_source=result.source)
+        self.generation = generation
+        self._agreement = None          # started in the old generation's group: dropped
+        if self._snapshotter is not None:
+            self._snapshotter.set_generation(generation)
+            self._snapshotter.rewind(step)
+        if self._keeper is not None:
+            self._keeper.drop(ctx.rank, above_step=step)
+        if self._verifier is not None:
+            self._verifier.reset(step, generation)
+        if ctx.drills and ctx.run_dir:
+            write_memory_map(ctx.run_dir, ctx.rank, ctx.worker_id, generation, self._objects)
+
+    # -- progress ----------------------------------------------------------------------
+    def _record(self, state: str = "running") -> MemberRecord:
+        ctx = self.context
+        return MemberRecord(worker_id=ctx.worker_id, rank=ctx.rank, node=ctx.node,
+                            step=self._progress.step_index, generation=self.generation,
+                            pid=os.getpid(), extra={"state": state, "time": time.time(),
+                                                    "first_step_at": self._first_step_at,
+                                                    "collective_error": self._collective_error,
+                                                    "restored": self._restored,
+                                                    **self._replica_extra()})
+
+    def _replica_extra(self) -> dict[str, Any]:
+        verifier = self._verifier
+        return {} if verifier is None else {REPLICAS_EXTRA: verifier.status().to_extra()}
+
+    def _beat_state(self) -> tuple:
+        """What a heartbeat writes when it changed since the last one."""
+        return (self._progress.step_index, self.generation, self._first_step_at,
+                self._collective_error, self._replica_extra())
