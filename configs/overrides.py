@@ -101,7 +101,7 @@ def apply_override(root: yaml.MappingNode, override: Override) -> None:
     The key nodes it writes carry a mark named after the override's source with line -1,
     which the loader reads as "this key came from --set / PHALANX_SET, no line".
     """
-    mark = Mark(override.source, 0, -1, 0, None, None)
+    mark = Mark(override.source, 0, -1, 0, None, 0)
     node = root
     last = len(override.path) - 1
     for i, segment in enumerate(override.path):

@@ -1,6 +1,6 @@
 """The config reference: a markdown table per section, generated from the schema.
 
-``python -m phalanx.configs.reference`` prints it; the README embeds the same text.
+``python -m phalanx.configs.reference`` prints it; docs/configuration.md embeds the same text.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _cell(text: str) -> str:
 
 
 def main() -> None:
-    """Print the reference (the README's config section is generated from this)."""
+    """Print the reference (docs/configuration.md's reference section is generated from this)."""
     print(render_reference(), end="")
 
 

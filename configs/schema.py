@@ -190,6 +190,12 @@ class ReplicationConfig:
         _require(self.timeout_s > 0, "replication.timeout_s", f"{self.timeout_s} is not positive",
                  "use e.g. 10")
 
+    @property
+    def copies(self) -> int:
+        """Replicas each rank's snapshot gets on other nodes: ``factor``, or 0 when
+        replication is off."""
+        return self.factor if self.enabled else 0
+
 
 _EVERY_S_DOC = ("also persist once per wall-clock window of this many seconds (windows "
                 "start at multiples of it, the same on every node); 0 = steps only")

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from rich.console import Console
 
+from phalanx import __version__
 from phalanx.configs.errors import ConfigError, PhalanxError, WorkerFailed
 from phalanx.launcher.ckpt_commands import add_ckpt_parser, run_ckpt
 from phalanx.launcher.drills.commands import add_drill_parser
@@ -19,6 +20,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description="Checkpointless training "
                                      "for PyTorch with elastic recovery.")
+    parser.add_argument("--version", action="version", version=f"phalanx {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log events to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     launch = sub.add_parser("launch", help="run a training job from a YAML config")

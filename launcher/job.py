@@ -10,7 +10,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import AbstractSet, Any
 
 import ray
 from rich.console import Console
@@ -18,7 +18,8 @@ from rich.console import Console
 from phalanx.configs.errors import ConfigError, PhalanxError, PlanInfeasible
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.runtime.worker.entrypoint import resolve_path
-from phalanx.launcher.keeper_actor import build_tiers, node_name
+from phalanx.runtime.base import Generation, Rank, Step, WorkerId, node_name
+from phalanx.runtime.tiers.config import build_tiers
 from phalanx.launcher.coordination.commit_tracker import CommitTracker
 from phalanx.launcher.coordination.coordinator import RankSlot, RecoveryCoordinator
 from phalanx.launcher.drills.seam import JobDrills
@@ -212,7 +213,7 @@ class JobRunner:
         cfg = self.cfg
         if not cfg.snapshot.enabled or cfg.snapshot.rank_size_mb <= 0:
             return
-        factor = cfg.replication.factor if cfg.replication.enabled else 0
+        factor = cfg.replication.copies
         per_node = -(-cfg.job.world_size // cfg.job.nodes)
         required = cfg.job.nodes * memory_plan(int(cfg.snapshot.rank_size_mb * 2**20), per_node,
                                                cfg.snapshot.slots, factor, REPLICA_KEEP)
@@ -273,7 +274,7 @@ class JobRunner:
         """What each live keeper holds at the end of the run (for the summary and tests)."""
         nodes = [node for node in self.keepers if node in live]
         refs = [self.keepers[node][0].holdings.remote() for node in nodes]
-        held = {}
+        held: dict[str, Any] = {}
         for node, ref in zip(nodes, refs):
             try:
                 held[node_name(node)] = ray.get(ref, timeout=30)
@@ -303,7 +304,7 @@ class JobRunner:
 
     def _new_actor(self, node: int, name: str) -> Any:
         cfg = self.cfg
-        actor = WorkerActor.options(
+        actor = WorkerActor.options(  # type: ignore[attr-defined]  # @ray.remote adds options
             num_cpus=cfg.job.cpus_per_worker, resources={node_resource(node): 1},
             name=f"{cfg.job.name}-{name}", **self._lifetime).remote(
                 self.entrypoint, cfg.job.torch_threads, cfg.spares.warmup)
@@ -352,7 +353,7 @@ class JobRunner:
         injector = None if self.drills is None else self.drills.injector(
             cfg, run.path, slots, coordinator, self.services, self._remove_node)
         observer = RunObserver(coordinator.events, lambda g: coordinator.holders_before.get(g, {}))
-        factor = cfg.replication.factor if cfg.replication.enabled else 0
+        factor = cfg.replication.copies
         commits = CommitTracker(self.services.membership, cfg.job.world_size, factor,
                                 cfg.replication.commit_every_steps)
         coordinator.committed = lambda: commits.committed
@@ -449,11 +450,11 @@ class JobRunner:
     def _classify(self, polled: PollResult, slots: dict[int, RankSlot],
                   coordinator: RecoveryCoordinator, stall: StallDetector) -> list[FaultReport]:
         world = WorldView(
-            generation=coordinator.generation, world_size=self.cfg.job.world_size,
-            rank_workers={r: s.worker_id for r, s in slots.items()},
-            worker_nodes={s.worker_id: node_name(s.node) for s in slots.values()},
+            generation=Generation(coordinator.generation), world_size=self.cfg.job.world_size,
+            rank_workers={Rank(r): WorkerId(s.worker_id) for r, s in slots.items()},
+            worker_nodes={WorkerId(s.worker_id): node_name(s.node) for s in slots.values()},
             live_nodes=frozenset(node_name(n) for n in coordinator.live_nodes),
-            committed_step=-1)
+            committed_step=Step(-1))
         now = time.monotonic()
         live = {node_name(n) for n in coordinator.live_nodes}
         recovering = coordinator.pending is not None or coordinator.waiting is not None
@@ -467,7 +468,7 @@ class JobRunner:
         return faults
 
 
-def _stale(signal: Any, live: set[str], generation: int, recovering: bool) -> bool:
+def _stale(signal: Any, live: AbstractSet[str], generation: int, recovering: bool) -> bool:
     """A signal about a node already handled, or a failed collective that a recovery in
     progress (or parked) or an older generation explains."""
     if isinstance(signal, (NodeLost, KeeperLeaseExpired)):

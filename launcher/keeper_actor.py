@@ -13,8 +13,6 @@ from typing import Any
 import ray
 
 from phalanx.configs.loader import load_config_text
-from phalanx.configs.schema import PhalanxConfig
-from phalanx.runtime.base import Tier
 from phalanx.runtime.node import node_keeper
 from phalanx.runtime.keeper.fence import KeeperFence
 from phalanx.runtime.keeper.reporter import KeeperReporter, keeper_member, report_from_keeper
@@ -22,27 +20,10 @@ from phalanx.runtime.membership.etcd import (EtcdMembership, client_fields, clie
                                              job_prefix)
 from phalanx.runtime.tiers.persister import TierPersister
 from phalanx.runtime.replication.pusher import Replicator
-from phalanx.runtime.tiers.config import open_tier
+from phalanx.runtime.tiers.config import tier_specs
 
 log = logging.getLogger(__name__)
 EVENTS_KEPT = 200
-
-
-def node_name(index: int) -> str:
-    """The name of virtual node ``index`` in etcd keys, shm files and reports."""
-    return f"node{index}"
-
-
-def tier_specs(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int, float]]:
-    """(tier, every_steps, keep, every_s) for each enabled tier: what TierPersister takes."""
-    disk, s3 = cfg.tiers.disk, cfg.tiers.s3
-    return [(open_tier(cfg, name, run_dir=run_dir), t.every_steps, t.keep, t.every_s)
-            for name, t in (("disk", disk), ("s3", s3)) if t.enabled]
-
-
-def build_tiers(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int]]:
-    """(tier, every_steps, keep) for each enabled tier (``tier_specs`` adds every_s)."""
-    return [(tier, every, keep) for tier, every, keep, _ in tier_specs(cfg, run_dir)]
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)

@@ -9,7 +9,7 @@ import ray
 from rich.console import Console
 
 from phalanx.launcher.events import EventLog
-from phalanx.launcher.keeper_actor import node_name
+from phalanx.runtime.base import node_name
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@ member table (rich table when attached to a terminal, a plain line every few sec
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rich.console import Console
@@ -41,7 +42,7 @@ class ProgressView:
             self._live.start()
         return self
 
-    def update(self, members: dict[str, MemberRecord], now: float | None = None) -> None:
+    def update(self, members: Mapping[str, MemberRecord], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for record in members.values():
             row = self._rows.get(record.rank)

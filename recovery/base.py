@@ -14,7 +14,8 @@ from functools import cached_property
 from typing import Any, TypeAlias, TypeVar
 
 from phalanx.configs.errors import FatalError
-from phalanx.runtime.base import Generation, NodeId, Rank, SpareId, Step, WorkerId
+from phalanx.runtime.base import (Generation, NodeId, Rank, RestoreSource, SpareId, Step, WorkerId,
+                                  source_from_json, source_to_json)
 
 PLAN_FORMAT = 1
 # Persistent tiers in the order the recovery ladder tries them; other names sort after.
@@ -280,9 +281,12 @@ A = TypeVar("A", PromoteSpare, RestartWorker, RestoreFromKeeper, RestoreFromTier
 @dataclass(frozen=True)
 class RecoveryPlan:
     """What the coordinator executes for the new ``generation``: the actions (who, what,
-    from where), the step every rank resumes at, and the new rank -> worker map.
+    from where), the step every rank resumes at, the new rank -> worker map, and each
+    rank's restore ladder: the sources it tries in order (the action's choice first, then
+    every other healthy holder, then the tiers). The coordinator only gives the sources
+    their addresses; it decides nothing about them.
 
-    Published as ``plan/<generation>`` with ``to_json``; ``from_json`` is its inverse.
+    ``to_json`` is a plain JSON form; ``from_json`` is its inverse.
     """
 
     generation: Generation
@@ -290,6 +294,7 @@ class RecoveryPlan:
     actions: tuple[Action, ...]
     rank_workers: Mapping[Rank, WorkerId] = field(default_factory=dict)
     reason: str = ""
+    sources: Mapping[Rank, tuple[RestoreSource, ...]] = field(default_factory=dict)
 
     @property
     def aborted(self) -> bool:
@@ -308,7 +313,9 @@ class RecoveryPlan:
         doc = {"format": PLAN_FORMAT, "generation": self.generation,
                "restore_step": self.restore_step, "reason": self.reason,
                "rank_workers": {str(r): w for r, w in sorted(self.rank_workers.items())},
-               "actions": [{"type": _ACTION_TAGS[type(a)], **asdict(a)} for a in self.actions]}
+               "actions": [{"type": _ACTION_TAGS[type(a)], **asdict(a)} for a in self.actions],
+               "sources": {str(r): [source_to_json(s) for s in ladder]
+                           for r, ladder in sorted(self.sources.items())}}
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
 
     @classmethod
@@ -323,7 +330,9 @@ class RecoveryPlan:
                        restore_step=Step(int(doc["restore_step"])), actions=actions,
                        rank_workers={Rank(int(r)): WorkerId(w)
                                      for r, w in doc["rank_workers"].items()},
-                       reason=str(doc["reason"]))
+                       reason=str(doc["reason"]),
+                       sources={Rank(int(r)): tuple(source_from_json(s) for s in ladder)
+                                for r, ladder in doc.get("sources", {}).items()})
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"malformed recovery plan JSON: {exc!r}") from exc
 

@@ -69,7 +69,7 @@ class PhaseMachine:
     """
 
     def __init__(self, clock: Callable[[], float], initial: Phase = Phase.STEADY,
-                 on_change: Callable[[PhaseChange], None] | None = None) -> None:
+                 on_change: Callable[[PhaseChange], object] | None = None) -> None:
         self._clock = clock
         self._on_change = on_change
         self._phase = initial

@@ -8,6 +8,11 @@ Restore ladder, the same for every rank at the restore step (first source that h
      node alive; and      takes the least-used holder, the
      every survivor)      most constrained rank first)
 
+Each rank's plan names its whole ladder (``RecoveryPlan.sources``): the chosen source
+first, then every other healthy keeper holding the step (its own node's first), then
+every tier, so a rank whose first source fails at restore time tries the next without
+anyone planning again.
+
 If some rank's committed step is in none of them, every rank rolls back to the newest step
 complete in a persistent tier (``Rollback``) and the ladder runs again at that step. Silent
 corruption caps the restore step at the newest step whose replicas agreed on every rank
@@ -23,7 +28,7 @@ import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, assert_never
 
 from phalanx.configs.schema import RecoveryConfig, SparesConfig
 from phalanx.recovery.base import (Abort, Action, FaultKind, FaultReport, PromoteSpare,
@@ -31,7 +36,8 @@ from phalanx.recovery.base import (Abort, Action, FaultKind, FaultReport, Promot
                                    RestoreFromKeeper, RestoreFromTier, Rollback, SpareInventory,
                                    TierInventory, WaitForCapacity, WorldView)
 from phalanx.recovery.detection import root_cause
-from phalanx.runtime.base import Generation, NodeId, Rank, SpareId, Step, WorkerId
+from phalanx.runtime.base import (Generation, KeeperCopy, NodeId, PeerCopy, Rank, RestoreSource,
+                                  SpareId, Step, TierCopy, WorkerId)
 
 # Faults whose ranks lose their worker and need a replacement.
 LOSING_KINDS = frozenset({FaultKind.WORKER_DIED, FaultKind.NODE_DIED, FaultKind.PARTITIONED,
@@ -134,6 +140,7 @@ def plan_recovery(faults: Sequence[FaultReport], world: WorldView, replicas: Rep
     actions += placements
     actions += restore.sources
     actions += repairs
+    sources = _ladders(rank_workers, world, damage, replicas, tiers, restore, repairs)
     reason = (f"{headline}; {len(damage.lost)} rank(s) replaced ({len(promoted)} spare(s), "
               f"{len(placements) - len(promoted)} restart(s)); resume at step {restore.step}")
     if repairs:
@@ -141,7 +148,41 @@ def plan_recovery(faults: Sequence[FaultReport], world: WorldView, replicas: Rep
             f"rank {r.rank} <- rank {r.peer}" for r in repairs)
     if restore.rollback:
         reason += f" (rolled back: {restore.rollback.reason})"
-    return RecoveryPlan(generation, restore.step, tuple(actions), rank_workers, reason)
+    return RecoveryPlan(generation, restore.step, tuple(actions), rank_workers, reason, sources)
+
+
+def _ladders(ranks: Iterable[Rank], world: WorldView, damage: _Damage, replicas: ReplicaMap,
+             tiers: TierInventory, restore: _Restore, repairs: Sequence[RepairFromPeer],
+             ) -> dict[Rank, tuple[RestoreSource, ...]]:
+    """Each rank's restore sources in ladder order: its chosen source, its peer repair,
+    every other healthy keeper holding ``restore.step`` (own node first, then by node id),
+    then every tier in ladder order. O(ranks · (holders + tiers))."""
+    step = restore.step
+    first: dict[Rank, RestoreSource] = {}
+    for action in restore.sources:
+        match action:
+            case RestoreFromKeeper(rank=rank, node=node):
+                first[rank] = KeeperCopy(node)
+            case RestoreFromTier(rank=rank, tier=tier):
+                first[rank] = TierCopy(tier)
+            case PromoteSpare() | RestartWorker() | RepairFromPeer() | Rollback() \
+                    | WaitForCapacity() | Abort():
+                pass
+            case _:
+                assert_never(action)
+    peers = {repair.rank: PeerCopy(repair.peer, repair.node) for repair in repairs}
+    tier_copies = [TierCopy(tier) for tier in tiers.in_order()]
+    ladders: dict[Rank, tuple[RestoreSource, ...]] = {}
+    for rank in sorted(ranks):
+        own = world.node_of(rank)
+        holders = sorted((node != own, node) for node, steps in replicas.holdings.get(rank, {}).items()
+                         if node in damage.healthy and step in steps)
+        ladder: list[RestoreSource] = [first[rank]] if rank in first else []
+        ladder += [peers[rank]] if rank in peers else []
+        ladder += [KeeperCopy(node) for _, node in holders if KeeperCopy(node) not in ladder]
+        ladder += [copy for copy in tier_copies if copy not in ladder]
+        ladders[rank] = tuple(ladder)
+    return ladders
 
 
 def _assess(faults: Sequence[FaultReport], world: WorldView) -> _Damage:

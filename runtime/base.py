@@ -46,6 +46,89 @@ class MemberRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# --- where a rank's state comes from in a new generation ---------------------------------
+# One closed union, decided by the planner (phalanx.recovery.planner, logical: which keeper,
+# tier or peer), given addresses by the coordinator (dataclasses.replace, nothing re-decided)
+# and read by the worker (phalanx.runtime.worker.rejoin). Sent as JSON, never pickle.
+
+
+@dataclass(frozen=True)
+class KeeperCopy:
+    """A snapshot held by the keeper on ``node`` (its own or a replica), served at
+    ``host:port``."""
+
+    node: NodeId
+    host: str = ""
+    port: int = 0
+
+
+@dataclass(frozen=True)
+class TierCopy:
+    """A checkpoint in the persistent ``tier``: "disk" under ``path``, or "s3" with ``s3``
+    the S3 tier's config as plain values."""
+
+    tier: str
+    path: str = ""
+    s3: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class PeerCopy:
+    """The replicated ``objects`` (model, optimizer) of healthy rank ``peer`` from its own
+    keeper on ``node``: a silent-corruption repair, applied after the rank's own restore."""
+
+    peer: Rank
+    node: NodeId
+    objects: tuple[str, ...] = ()
+    host: str = ""
+    port: int = 0
+
+
+RestoreSource = KeeperCopy | TierCopy | PeerCopy
+_SOURCE_TAGS: dict[type, str] = {KeeperCopy: "keeper", TierCopy: "tier", PeerCopy: "peer"}
+_SOURCE_TYPES = {tag: kind for kind, tag in _SOURCE_TAGS.items()}
+
+
+def source_to_json(source: RestoreSource) -> dict[str, Any]:
+    """``{"kind": tag, **fields}``: the one place a source becomes plain JSON values."""
+    doc = dataclasses.asdict(source)
+    if isinstance(source, PeerCopy):
+        doc["objects"] = list(source.objects)
+    return {"kind": _SOURCE_TAGS[type(source)], **doc}
+
+
+def source_from_json(doc: dict[str, Any]) -> RestoreSource:
+    """The inverse of ``source_to_json``. Raises ValueError on an unknown kind or fields."""
+    body = dict(doc)
+    kind = _SOURCE_TYPES.get(body.pop("kind", None))
+    if kind is None:
+        raise ValueError(f"unknown restore source kind {doc.get('kind')!r}")
+    expected = {f.name for f in dataclasses.fields(kind)}
+    if not set(body) <= expected:
+        raise ValueError(f"restore source {doc.get('kind')!r} has unknown fields "
+                         f"{sorted(set(body) - expected)}")
+    if kind is PeerCopy:
+        body["objects"] = tuple(str(o) for o in body.get("objects", ()))
+    source: RestoreSource = kind(**body)
+    return source
+
+
+NODE_PREFIX = "node"
+
+
+def node_name(index: int) -> NodeId:
+    """The name of node ``index`` in etcd keys, shm files, plans and reports."""
+    return NodeId(f"{NODE_PREFIX}{index}")
+
+
+def node_index(node: str) -> int:
+    """The index of node ``node`` ("node3" -> 3); ValueError for any other name."""
+    digits = node.removeprefix(NODE_PREFIX)
+    if digits == node or not digits.isdigit():
+        raise ValueError(f"{node!r} is not a node name (node<index>)")
+    return int(digits)
+
+
 MEMBERS = "members/"          # member records live under <job prefix>/members/<worker-id>
 
 

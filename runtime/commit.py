@@ -65,13 +65,6 @@ def gate(step: int, verified: int | None) -> int:
     return step if verified is None else min(step, verified)
 
 
-def holders_of(reports: Mapping[str, KeeperReport], rank: int, step: int) -> list[str]:
-    """Nodes whose keeper holds (rank, step), local copies first."""
-    local = [n for n, r in sorted(reports.items()) if step in r.local.get(rank, ())]
-    replica = [n for n, r in sorted(reports.items()) if step in r.replicas.get(rank, ())]
-    return local + [n for n in replica if n not in local]
-
-
 def committed_step(reports: Mapping[str, KeeperReport], ranks: Sequence[int], factor: int) -> int:
     """The newest step every rank has on at least ``factor + 1`` keepers; -1 when none."""
     if not ranks:

@@ -68,7 +68,7 @@ class SparePool:
         spare_id = f"spare{self._serial}"
         self._serial += 1
         name = f"{self._job}-{spare_id}"
-        actor = WorkerActor.options(
+        actor = WorkerActor.options(  # type: ignore[attr-defined]  # @ray.remote adds options
             num_cpus=self._cpus, num_gpus=self._gpus,
             resources={self._node_resource(node): 1, **self._custom}, name=name,
             **self._lifetime).remote(self._entrypoint, self._threads, self._warmup)

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, assert_never
 
 import ray
 from ray.exceptions import RayActorError
@@ -17,16 +17,18 @@ from ray.exceptions import RayActorError
 from phalanx.configs.errors import PlanInfeasible
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.launcher.events import EventLog
-from phalanx.launcher.keeper_actor import node_name
+from phalanx.runtime.base import (KeeperCopy, PeerCopy, RestoreSource, TierCopy, node_index,
+                                  node_name, source_to_json)
 from phalanx.recovery.base import (Abort, FaultKind, FaultReport, PromoteSpare, RecoveryPlan,
                                    RepairFromPeer, ReplicaMap, RestartWorker, RestoreFromKeeper,
                                    RestoreFromTier, Rollback, SpareInventory, TierInventory,
                                    WaitForCapacity, WorldView)
 from phalanx.recovery.phases import Phase, PhaseMachine
 from phalanx.recovery.planner import RecoveryPolicy, plan_recovery
-from phalanx.runtime.base import MemberRecord, Membership
-from phalanx.runtime.commit import KeeperReport, committed_step, holders_of
-from phalanx.runtime.tiers.config import disk_tier_root
+from phalanx.runtime.base import (Generation, MemberRecord, Membership, Rank, SpareId, Step,
+                                  WorkerId)
+from phalanx.runtime.commit import KeeperReport, committed_step
+from phalanx.runtime.tiers.config import build_tiers, disk_tier_root
 from phalanx.runtime.membership.generation import (GENERATION_KEY, GenerationPlan, RankAssignment,
                                                    plan_key)
 from phalanx.runtime.keeper.reporter import report_from_keeper
@@ -117,12 +119,12 @@ class RecoveryCoordinator:
         """Choose replica holders for this generation and hand every live keeper its part:
         which local ranks to replicate where (and the generation that fences older writers)."""
         live = sorted(n for n in self.live_nodes if n in self.keepers)
-        factor = min(self.cfg.replication.factor if self.cfg.replication.enabled else 0,
+        factor = min(self.cfg.replication.copies,
                      len(live) - 1)
         holders: dict[int, list[str]] = {}
         if factor > 0:
             placement = place_replicas(PlacementInput(
-                {r: node_name(s.node) for r, s in slots.items()},
+                {Rank(r): node_name(s.node) for r, s in slots.items()},
                 [node_name(n) for n in live], factor), previous=self.placement)
             self.placement = placement
             holders = {int(r): list(h) for r, h in placement.holders.items()}
@@ -167,7 +169,7 @@ class RecoveryCoordinator:
         reports = self._fresh_reports()
         lost_nodes = {f.node for f in faults if f.node} - {node_name(n) for n in self.live_nodes}
         faults = list(faults) + [FaultReport(FaultKind.NODE_DIED, tuple(
-            r for r, s in slots.items() if node_name(s.node) == node), node, root.observed_at,
+            Rank(r) for r, s in slots.items() if node_name(s.node) == node), node, root.observed_at,
             f"keeper of {node} is gone") for node in sorted(lost_nodes)]
         tiers = self._tiers()
         world = self._world(slots, reports, tiers)
@@ -259,18 +261,19 @@ class RecoveryCoordinator:
         every rank has in a live keeper, and the newest complete tier step."""
         ranks = sorted(slots)
         return WorldView(
-            generation=self.generation, world_size=self.cfg.job.world_size,
-            rank_workers={r: slots[r].worker_id for r in ranks},
-            worker_nodes={slots[r].worker_id: node_name(slots[r].node) for r in ranks},
+            generation=Generation(self.generation), world_size=self.cfg.job.world_size,
+            rank_workers={Rank(r): WorkerId(slots[r].worker_id) for r in ranks},
+            worker_nodes={WorkerId(slots[r].worker_id): node_name(slots[r].node) for r in ranks},
             live_nodes=frozenset(node_name(n) for n in self.live_nodes),
-            committed_step=max(self.committed(), committed_step(reports, ranks, 0),
-                               *(max(steps) for steps in tiers.complete_steps.values() if steps)))
+            committed_step=Step(max(self.committed(), committed_step(reports, ranks, 0),
+                                    *(max(steps) for steps in tiers.complete_steps.values()
+                                      if steps))))
 
     def _fresh_reports(self) -> dict[str, KeeperReport]:
         """What every live keeper holds right now (etcd reports may be a heartbeat old)."""
         live = {n: self.keepers[n] for n in self.live_nodes if n in self.keepers}
         refs = {n: (actor.holdings.remote(), actor.stats.remote()) for n, (actor, _) in live.items()}
-        reports = {}
+        reports: dict[str, KeeperReport] = {}
         for node, (holdings_ref, stats_ref) in refs.items():
             try:
                 holdings, stats = ray.get([holdings_ref, stats_ref], timeout=10)
@@ -294,12 +297,10 @@ class RecoveryCoordinator:
         return ReplicaMap.of(holdings)
 
     def _tiers(self) -> TierInventory:
-        from phalanx.launcher.keeper_actor import build_tiers
-
-        steps = {}
+        steps: dict[str, tuple[Step, ...]] = {}
         for tier, _, _ in build_tiers(self.cfg, self.run_dir):
             try:
-                steps[tier.name] = tuple(tier.committed_steps())
+                steps[tier.name] = tuple(Step(s) for s in tier.committed_steps())
             except Exception as exc:  # an unreachable tier offers no checkpoint
                 self.events.emit("tier_unreachable", tier=tier.name, error=repr(exc))
         return TierInventory(steps)
@@ -307,10 +308,11 @@ class RecoveryCoordinator:
     def _spares(self) -> SpareInventory:
         if self.pool is None:
             return SpareInventory({})
-        return SpareInventory({s: node_name(n) for s, n in self.pool.inventory(self.live_nodes).items()})
+        return SpareInventory({SpareId(s): node_name(n)
+                               for s, n in self.pool.inventory(self.live_nodes).items()})
 
     def _forget_node(self, node: str) -> None:
-        index = int(node.removeprefix("node"))
+        index = node_index(node)
         self.live_nodes.discard(index)
         if self.pool is not None:
             self.pool.forget_node(index)
@@ -319,7 +321,7 @@ class RecoveryCoordinator:
     def _fence(self, plan: RecoveryPlan, reports: Mapping[str, KeeperReport],
                slots: dict[int, RankSlot]) -> None:
         """Publish plan/<g>, then move ``generation`` by compare-and-swap (the fence)."""
-        worker_plan = self.worker_plan(plan, reports)
+        worker_plan = self.worker_plan(plan)
         self.membership.put(plan_key(plan.generation), worker_plan.to_json())
         current = self.membership.get(GENERATION_KEY)
         expected = current.mod_revision if current is not None else 0
@@ -332,52 +334,42 @@ class RecoveryCoordinator:
         self.generation = plan.generation
         self._current_plan = worker_plan
 
-    def worker_plan(self, plan: RecoveryPlan, reports: Mapping[str, KeeperReport]) -> GenerationPlan:
-        """The worker-facing plan: per rank its worker and restore sources in ladder order."""
-        chosen: dict[int, dict[str, Any]] = {}
-        peers: dict[int, dict[str, Any]] = {}    # phalanx.runtime.consistency.repair sources
-        for action in plan.actions:
-            match action:
-                case RepairFromPeer(rank=rank, peer=peer, node=node):
-                    peers[rank] = {**self._keeper_source(str(node)), "kind": "peer",
-                                   "rank": int(peer),
-                                   "objects": list(self.cfg.detection.replicated_state)}
-                case RestoreFromKeeper(rank=rank, node=node):
-                    chosen[rank] = self._keeper_source(str(node))
-                case RestoreFromTier(rank=rank, tier=tier):
-                    chosen[rank] = self._tier_source(tier)
-                case PromoteSpare() | RestartWorker() | Rollback() | WaitForCapacity() | Abort():
-                    pass
+    def worker_plan(self, plan: RecoveryPlan) -> GenerationPlan:
+        """The worker-facing plan: per rank its worker and the planner's restore sources
+        with their addresses (a source this launcher cannot address is left out)."""
         ranks = {}
         for rank, worker in plan.rank_workers.items():
-            sources = [chosen[rank]] if rank in chosen else []
-            sources += [peers[rank]] if rank in peers else []
-            for node in holders_of(reports, rank, plan.restore_step):
-                source = self._keeper_source(node)
-                if source not in sources:
-                    sources.append(source)
-            for tier in ("disk", "s3"):
-                source = self._tier_source(tier)
-                if source is not None and source not in sources:
-                    sources.append(source)
-            ranks[int(rank)] = RankAssignment(str(worker), tuple(s for s in sources if s))
+            resolved = (self._address(s) for s in plan.sources.get(rank, ()))
+            ranks[int(rank)] = RankAssignment(str(worker), tuple(s for s in resolved if s))
         return GenerationPlan(plan.generation, self.cfg.job.world_size, plan.restore_step,
                               ranks, plan.reason, self.store_address)
 
-    def _keeper_source(self, node: str) -> dict[str, Any]:
-        index = int(node.removeprefix("node"))
-        host, port = self.keepers[index][1]
-        return {"kind": "keeper", "node": node, "host": host, "port": int(port)}
-
-    def _tier_source(self, tier: str) -> dict[str, Any] | None:
-        if tier == "disk" and self.cfg.tiers.disk.enabled:
-            return {"kind": "tier", "tier": "disk",
-                    "path": str(disk_tier_root(self.cfg, self.run_dir))}
-        if tier == "s3" and self.cfg.tiers.s3.enabled:
-            from dataclasses import asdict
-
-            return {"kind": "tier", "tier": "s3", "config": asdict(self.cfg.tiers.s3)}
-        return None
+    def _address(self, source: RestoreSource) -> RestoreSource | None:
+        """``source`` with where to find it: a keeper's host and port, a tier's root."""
+        match source:
+            case KeeperCopy(node=node) | PeerCopy(node=node):
+                keeper = self.keepers.get(node_index(node))
+                if keeper is None:
+                    return None
+                host, port = keeper[1]
+                if isinstance(source, PeerCopy):
+                    return dataclasses.replace(
+                        source, host=host, port=int(port),
+                        objects=tuple(self.cfg.detection.replicated_state))
+                return dataclasses.replace(source, host=host, port=int(port))
+            case TierCopy(tier="disk"):
+                if not self.cfg.tiers.disk.enabled:
+                    return None
+                return dataclasses.replace(
+                    source, path=str(disk_tier_root(self.cfg, self.run_dir)))
+            case TierCopy(tier="s3"):
+                if not self.cfg.tiers.s3.enabled:
+                    return None
+                return dataclasses.replace(source, s3=dataclasses.asdict(self.cfg.tiers.s3))
+            case TierCopy():
+                return None
+            case _:
+                assert_never(source)
 
     def _promote(self, plan: RecoveryPlan, slots: dict[int, RankSlot],
                  faults: Sequence[FaultReport]) -> None:
@@ -398,10 +390,13 @@ class RecoveryCoordinator:
                                     name=spare.name)
                 case RestartWorker(rank=rank, node=node):
                     slot = RankSlot(rank, str(plan.rank_workers[rank]),
-                                    int(str(node).removeprefix("node")), None)
-                case _:
+                                    node_index(node), None)
+                case RestoreFromKeeper() | RestoreFromTier() | RepairFromPeer() | Rollback() \
+                        | WaitForCapacity() | Abort():
                     continue
-            sources = list(worker_plan.ranks[rank].sources)
+                case _:
+                    assert_never(action)
+            sources = [source_to_json(s) for s in worker_plan.ranks[rank].sources]
             slot.ref = self.launch(slot, plan.generation, {**restore, "sources": sources})
             slots[rank] = slot
             self.events.emit("promoted", rank=rank, worker=slot.worker_id,

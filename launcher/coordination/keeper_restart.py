@@ -17,7 +17,8 @@ from ray.exceptions import RayActorError
 from phalanx.configs.loader import dump_config
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.launcher.coordination.coordinator import RankSlot, RecoveryCoordinator
-from phalanx.launcher.keeper_actor import KeeperActor, node_name
+from phalanx.launcher.keeper_actor import KeeperActor
+from phalanx.runtime.base import node_name
 from phalanx.launcher.coordination.node_watch import NodeWatch, refuses
 from phalanx.launcher.services.ray_cluster import node_resource, raylet_addresses
 from phalanx.launcher.coordination.takeover import keeper_actor_name
@@ -34,8 +35,9 @@ def start_keeper_actor(cfg: PhalanxConfig, node: int, secret_hex: str,
                        etcd_endpoints: list[str], run_dir: str, local_ranks: list[int]) -> Any:
     """A keeper actor pinned to ``node`` under the job's keeper name (as at launch)."""
     lifetime = {"lifetime": "detached"} if cfg.coordinator.standby else {}
-    return KeeperActor.options(resources={node_resource(node): 1},
-                               name=keeper_actor_name(cfg.job.name, node), **lifetime).remote(
+    return KeeperActor.options(  # type: ignore[attr-defined]  # @ray.remote adds options
+        resources={node_resource(node): 1},
+        name=keeper_actor_name(cfg.job.name, node), **lifetime).remote(
         node_name(node), dump_config(cfg), secret_hex, etcd_endpoints, run_dir, local_ranks)
 
 
@@ -62,7 +64,7 @@ class KeeperRestarts:
     def __init__(self, cfg: PhalanxConfig, keepers: dict[int, tuple[Any, tuple[str, int]]],
                  coordinator: RecoveryCoordinator, slots: Mapping[int, RankSlot],
                  watch: NodeWatch | None, secret_hex: str, etcd_endpoints: list[str],
-                 on_started: Callable[[Any], None],
+                 on_started: Callable[[Any], object],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._cfg = cfg
         self._keepers = keepers

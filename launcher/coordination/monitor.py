@@ -12,13 +12,13 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from phalanx.configs.errors import WorkerFailed
 from phalanx.launcher.coordination.coordinator import RankSlot
-from phalanx.launcher.keeper_actor import node_name
+from phalanx.runtime.base import node_name
 from phalanx.launcher.coordination.node_watch import NodeWatch
 from phalanx.launcher.services.ray_cluster import node_indices
 from phalanx.launcher.coordination.replica_check import ReplicaCheck
 from phalanx.recovery.detection import (ActorDied, CollectiveError, LeaseLost, NodeLost, Progress,
                                         Signal, WorkerRaised)
-from phalanx.runtime.base import MemberRecord
+from phalanx.runtime.base import MemberRecord, Rank, Step, WorkerId
 
 log = logging.getLogger(__name__)
 FINISH_GRACE_S = 0.5
@@ -72,14 +72,15 @@ class Monitor:
                 result.signals.append(self._raised(_worker_error(exc, slot.rank), slot,
                                                    members, now))
             except RayActorError as exc:
-                result.signals.append(ActorDied(slot.worker_id, now, str(exc).splitlines()[0]))
+                result.signals.append(ActorDied(WorkerId(slot.worker_id), now,
+                                                str(exc).splitlines()[0]))
         self._lease_signals(slots, done_ranks | set(result.finished), members, now, result,
                             finished, leases_trusted)
         self._node_signals(now, result)
         for record in members.values():
             if record.rank >= 0 and slots.get(record.rank) and \
                     slots[record.rank].worker_id == record.worker_id:
-                result.progress.append(Progress(record.rank, record.step, now))
+                result.progress.append(Progress(Rank(record.rank), Step(record.step), now))
                 self._collective_signal(record, now, result)
         current = [r for r in members.values() if r.rank >= 0 and slots.get(r.rank)
                    and slots[r.rank].worker_id == r.worker_id]
@@ -98,7 +99,7 @@ class Monitor:
         if self._on_exception == "fail" or key in self._raised_at:
             raise error
         self._raised_at.add(key)
-        return WorkerRaised(slot.rank, f"{error.message}\n{error.traceback_text}", now)
+        return WorkerRaised(Rank(slot.rank), f"{error.message}\n{error.traceback_text}", now)
 
     def _collective_signal(self, record: MemberRecord, now: float, result: PollResult) -> None:
         """A rank that reports its group failed in its current generation, still so after
@@ -110,8 +111,8 @@ class Monitor:
         first = self._collective.setdefault(key, now)
         if first >= 0 and now - first >= self._collective_grace_s:
             self._collective[key] = -1.0       # reported once
-            result.signals.append(CollectiveError(record.rank, first, str(error.get("detail")),
-                                                  record.generation))
+            result.signals.append(CollectiveError(Rank(record.rank), first,
+                                                  str(error.get("detail")), record.generation))
 
     def _lease_signals(self, slots: Mapping[int, RankSlot], done: set[int],
                        members: Mapping[str, MemberRecord], now: float, result: PollResult,
@@ -130,7 +131,7 @@ class Monitor:
                 continue
             since = self._vanished.setdefault(worker_id, now)
             if now - since >= FINISH_GRACE_S and worker_id not in finished():
-                result.signals.append(LeaseLost(worker_id, since))
+                result.signals.append(LeaseLost(WorkerId(worker_id), since))
                 del self._seen[worker_id]
                 self._vanished.pop(worker_id, None)
         self._seen.update({w: r for w, r in members.items() if w in current})

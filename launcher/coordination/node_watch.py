@@ -21,7 +21,7 @@ import time
 from typing import Callable, Mapping
 
 from phalanx.configs.errors import PhalanxError
-from phalanx.launcher.keeper_actor import node_name
+from phalanx.runtime.base import node_name
 from phalanx.runtime.transport.frames import client_handshake
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import logging
 from typing import Iterable
 
 from phalanx.recovery.detection import SilentCorruption
-from phalanx.runtime.base import MemberRecord
+from phalanx.runtime.base import MemberRecord, Rank, Step
 from phalanx.runtime.consistency.digest import ReplicaStatus
 
 log = logging.getLogger(__name__)
@@ -34,9 +34,9 @@ def corruption_signal(records: Iterable[MemberRecord], world_size: int,
     if len(places) != 1:
         return None
     step, generation = places.pop()
-    digests = tuple(sorted((rank, d[1]) for rank, (d, _) in diverged.items() if d is not None))
+    digests = tuple(sorted((Rank(rank), d[1]) for rank, (d, _) in diverged.items() if d is not None))
     verified = max(s.verified for s, _ in found.values())
-    return SilentCorruption(step, verified, digests, generation, now)
+    return SilentCorruption(Step(step), Step(verified), digests, generation, now)
 
 
 class ReplicaCheck:

@@ -16,8 +16,8 @@ from phalanx.configs.errors import MembershipUnavailable
 from phalanx.launcher.coordination.coordinator import RankSlot, RecoveryCoordinator
 from phalanx.launcher.services.leadership import JobState, publish_state
 from phalanx.recovery.detection import ActorDied
-from phalanx.runtime.base import Membership
-from phalanx.runtime.membership.generation import GenerationPlan, plan_key
+from phalanx.runtime.base import Membership, NodeId, Rank, WorkerId
+from phalanx.runtime.membership.generation import GenerationPlan, RankAssignment, plan_key
 from phalanx.runtime.replication.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def adopt_workers(state: JobState, generation: int, membership: Membership,
     that is gone or that the newest plan moved after the state was published (the leader
     died mid-recovery), and the actor names of the replacements that plan may have started
     (to be killed: a new plan replaces them)."""
-    planned = {}
+    planned: Mapping[int, RankAssignment] = {}
     if generation != state.generation:
         found = membership.get(plan_key(generation))
         planned = GenerationPlan.from_json(found.value).ranks if found else {}
@@ -95,7 +95,7 @@ def adopt_workers(state: JobState, generation: int, membership: Membership,
         except ValueError:
             moved = True
         if moved:
-            lost.append(ActorDied(slot.worker_id, time.monotonic(),
+            lost.append(ActorDied(WorkerId(slot.worker_id), time.monotonic(),
                                   "gone when the standby took over"))
             if rank in planned:
                 doomed.append(f"{job}-{planned[rank].worker}")
@@ -115,4 +115,5 @@ def resume_coordinator(coordinator: RecoveryCoordinator, state: JobState, genera
                               if keeper_nodes is None or n in keeper_nodes}
     coordinator.recoveries, coordinator.history = state.recoveries, list(state.history)
     if state.holders:
-        coordinator.placement = Placement({r: tuple(h) for r, h in state.holders.items()})
+        coordinator.placement = Placement({Rank(r): tuple(NodeId(n) for n in h)
+                                           for r, h in state.holders.items()})

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
-from phalanx.runtime.base import MemberRecord
+from phalanx.runtime.base import MemberRecord, node_name
 
 FAMILIES = ("availability", "liveness", "storage", "communication", "numerical")
 TARGETS = ("rank", "node", "role", "none")   # what ``FaultSpec`` must name
@@ -43,7 +43,7 @@ class FaultSpec:
         if self.rank is not None:
             return f"rank {self.rank}"
         if self.node is not None:
-            return f"node{self.node}"
+            return node_name(self.node)
         return self.role or "job"
 
     def trigger_text(self) -> str:

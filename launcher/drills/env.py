@@ -12,7 +12,7 @@ import ray
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.launcher.coordination.coordinator import RankSlot, RecoveryCoordinator
 from phalanx.launcher.drills.injector import Deferred
-from phalanx.launcher.keeper_actor import node_name
+from phalanx.runtime.base import node_name
 from phalanx.runtime.base import MemberRecord
 
 log = logging.getLogger(__name__)

@@ -140,7 +140,9 @@ def _free_port() -> int:
 def _wait_until_serving(proc: subprocess.Popen, pid: int, deadline: float) -> None:
     """Poll with an HTTP GET / until the server answers; _PortTaken if it exits first,
     ServiceStartError once ``deadline`` (monotonic) passes."""
-    port = int(proc.args[-1])
+    argv = proc.args
+    assert isinstance(argv, list) and isinstance(argv[-1], str)  # _spawn's argv ends in the port
+    port = int(argv[-1])
     while True:
         if proc.poll() is not None:
             raise _PortTaken(f"moto pid {pid} exited with code {proc.returncode}")

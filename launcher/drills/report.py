@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from phalanx.runtime.base import node_name
 from phalanx.launcher.drills.catalogue import REGISTRY, FaultSpec
 from phalanx.runtime.tiers.disk import atomic_write
 
@@ -414,4 +415,4 @@ def _target_rank(fault: Event) -> int | None:
 def _old_target(fault: Event) -> str:
     if fault.get("rank") is not None:
         return f"rank {fault['rank']}"
-    return f"node{fault['node']}" if fault.get("node") is not None else "job"
+    return node_name(fault['node']) if fault.get("node") is not None else "job"

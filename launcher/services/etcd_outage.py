@@ -49,6 +49,7 @@ class EtcdOutage:
     def members(self) -> Mapping[str, MemberRecord]:
         """The member table now, or the last one read while etcd is unreachable."""
         now = self._clock()
+        members: Mapping[str, MemberRecord]
         try:
             members = self._membership.members()
         except MembershipUnavailable as exc:

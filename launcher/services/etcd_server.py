@@ -107,7 +107,7 @@ def _load_prctl() -> object | None:
 _PRCTL = _load_prctl()
 
 
-def _die_with_parent_preexec(parent_pid: int):  # type: ignore[no-untyped-def]
+def _die_with_parent_preexec(parent_pid: int):
     """A preexec_fn asking the kernel to SIGKILL the child when its parent thread exits.
 
     Resolved before the fork (no ctypes loading in the child). If the parent already

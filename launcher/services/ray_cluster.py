@@ -201,7 +201,7 @@ class LocalRay:
             self._cluster = None
             self._nodes.clear()
         try:
-            ray._private.utils.reset_ray_address()
+            getattr(ray._private.utils, "reset_ray_address")()   # absent in some Ray versions
         except Exception:  # noqa: BLE001 - helper moved between Ray versions
             pass
         if self._temp_dir is not None:

@@ -19,8 +19,8 @@ from phalanx.launcher.services.etcd_server import EmbeddedEtcd, ServerTLS
 from phalanx.launcher.services.leadership import COORDINATOR_KEY, Leadership
 from phalanx.launcher.services.ray_cluster import LocalRay
 from phalanx.launcher.rundir import RunDir
-from phalanx.runtime.membership.etcd import (EtcdMembership, client_fields, client_options,
-                                             job_prefix)
+from phalanx.runtime.membership.etcd import (EtcdClientOptions, EtcdMembership, client_fields,
+                                             client_options, job_prefix)
 
 log = logging.getLogger(__name__)
 
@@ -157,5 +157,5 @@ def _keep_ray_logs_on_failure(local_ray: LocalRay, dest: Path) -> Callable[..., 
     return keep
 
 
-def _etcd_auth(cfg: PhalanxConfig) -> dict[str, str]:
+def _etcd_auth(cfg: PhalanxConfig) -> EtcdClientOptions:
     return client_options(**client_fields(cfg.etcd))

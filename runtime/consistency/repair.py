@@ -3,8 +3,8 @@ rollback, the corrupted rank loads the data-parallel replicated objects (model, 
 of the restore step from a peer rank's snapshot, verified by checksum, instead of its own;
 its per-rank state (RNG, data cursor, extras) stays its own.
 
-The plan names the peer as a restore source ``{"kind": "peer", "rank", "node", "host",
-"port", "objects"}`` among the rank's sources; the ordinary ladder skips such sources.
+The plan names the peer as a ``PeerCopy`` among the rank's restore sources
+(``phalanx.runtime.base.RestoreSource``); the ordinary ladder takes the others.
 """
 from __future__ import annotations
 
@@ -14,33 +14,33 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from phalanx.configs.errors import PhalanxError, SnapshotNotFound
+from phalanx.runtime.base import KeeperCopy, PeerCopy, RestoreSource, TierCopy
 from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.snapshot.format import Manifest, read_tensors
 from phalanx.runtime.snapshot.state_tree import apply_state, escape_segment
 
 log = logging.getLogger(__name__)
-PEER_KIND = "peer"
 
 
-def split_sources(descriptors: Sequence[Mapping[str, Any]]
-                  ) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
-    """(ladder sources, peer repair sources) of a rank's plan sources."""
-    ladder = [d for d in descriptors if d.get("kind") != PEER_KIND]
-    return ladder, [d for d in descriptors if d.get("kind") == PEER_KIND]
+def split_sources(sources: Sequence[RestoreSource]
+                  ) -> tuple[list[KeeperCopy | TierCopy], list[PeerCopy]]:
+    """(ladder sources, peer repair sources) of a rank's plan sources, each in plan order."""
+    ladder = [s for s in sources if not isinstance(s, PeerCopy)]
+    return ladder, [s for s in sources if isinstance(s, PeerCopy)]
 
 
-def repair_from_peer(objects: Mapping[str, Any], step: int, source: Mapping[str, Any], *,
+def repair_from_peer(objects: Mapping[str, Any], step: int, source: PeerCopy, *,
                      job: str, secret: bytes | None, timeout_s: float,
                      generation: int) -> str:
-    """Load ``source["objects"]`` of ``objects`` from the peer's verified snapshot of
+    """Load ``source.objects`` of ``objects`` from the peer's verified snapshot of
     ``step`` (in place, like a restore); returns the source's name. Raises
     ``PhalanxError`` (unreachable, not held, corrupt, unauthenticated) or ``OSError``."""
-    peer, node = int(source["rank"]), str(source.get("node", "?"))
+    peer, node = int(source.peer), str(source.node)
     where = f"peer rank {peer} keeper {node}"
-    names = [str(n) for n in source.get("objects", ()) if str(n) in objects]
+    names = [n for n in source.objects if n in objects]
     if not names:
-        raise SnapshotNotFound(f"{where}: none of {source.get('objects')} is registered")
-    with KeeperClient(str(source["host"]), int(source["port"]), secret or b"", job,
+        raise SnapshotNotFound(f"{where}: none of {list(source.objects)} is registered")
+    with KeeperClient(source.host, source.port, secret or b"", job,
                       timeout_s=timeout_s, role="restore", generation=generation) as client:
         got, manifest_bytes, payload = client.get(peer, step)
     if got != step:
@@ -55,8 +55,8 @@ def repair_from_peer(objects: Mapping[str, Any], step: int, source: Mapping[str,
     spec = manifest.tree_spec
     prefixes = {escape_segment(name) for name in names}
     chosen = {name: t for name, t in tensors.items() if name.split("/", 1)[0] in prefixes}
-    subset = {"version": spec.get("version"),
-              "objects": {name: spec.get("objects", {}).get(name) for name in names}}
+    subset: dict[str, Any] = {"version": spec.get("version"),
+                              "objects": {name: spec.get("objects", {}).get(name) for name in names}}
     if any(entry is None for entry in subset["objects"].values()):
         raise SnapshotNotFound(f"{where}: the snapshot holds objects "
                                f"{sorted(spec.get('objects', {}))}, not all of {names}")
@@ -67,7 +67,7 @@ def repair_from_peer(objects: Mapping[str, Any], step: int, source: Mapping[str,
 
 
 def try_repair(objects: Mapping[str, Any], step: int,
-               sources: Sequence[Mapping[str, Any]], **kwargs: Any) -> str | None:
+               sources: Sequence[PeerCopy], **kwargs: Any) -> str | None:
     """``repair_from_peer`` from the first peer source that works; None when none does
     (the rank keeps its own verified state of ``step``, equal to its peers' by digest)."""
     for source in sources:
@@ -75,5 +75,5 @@ def try_repair(objects: Mapping[str, Any], step: int,
             return repair_from_peer(objects, step, source, **kwargs)
         except (PhalanxError, OSError, ValueError, KeyError) as exc:
             log.warning("event=replica_repair_failed step=%d source=%r error=%s", step,
-                        dict(source), exc)
+                        source, exc)
     return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, overload
 
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
@@ -151,6 +151,14 @@ def _obj(raw: Any, keys: set[str], what: str) -> dict[str, Any]:
     _need(type(raw) is dict and set(raw) == keys, f"{what} must be an object with exactly "
           f"{sorted(keys)}, got {raw!r:.120}")
     return raw
+
+
+@overload
+def _ints(raw: Any, what: str, *, allow_none: Literal[False] = False) -> list[int]: ...
+
+
+@overload
+def _ints(raw: Any, what: str, *, allow_none: bool) -> list[int] | None: ...
 
 
 def _ints(raw: Any, what: str, *, allow_none: bool = False) -> list[int] | None:

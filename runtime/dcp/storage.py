@@ -117,7 +117,7 @@ def _stage(plan: SavePlan, planner: SavePlanner, rank: int, algo: str, workers: 
             tensors[name] = _resolve_tensor(planner, item)
     layout = plan_layout(tensors, {"format": "pt"})
     fits = reuse is not None and len(reuse) >= layout.total_bytes
-    buf = reuse if fits else bytearray(layout.total_bytes)
+    buf = reuse if reuse is not None and fits else bytearray(layout.total_bytes)
     payload = memoryview(buf)[:layout.total_bytes]
     write_into(payload, layout, tensors)
     sums = checksums(payload, layout, algo=algo, workers=workers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,9 @@ def form_group(store: dist.Store, generation: int, rank: int, world_size: int,
                                   datetime.timedelta(seconds=timeout_s))
     log.info("event=group_formed generation=%d rank=%d world=%d seconds=%.3f",
              generation, rank, world_size, time.monotonic() - started)
-    return group
+    # torch's stubs type ProcessGroupGloo as a Backend without the collectives it binds
+    # (allreduce); it is used only through the ProcessGroup calls it has.
+    return cast(dist.ProcessGroup, group)
 
 
 def all_reduce(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypedDict
 
 import etcd3
 import etcd3.events
@@ -54,8 +54,19 @@ def client_fields(cfg: EtcdConfig) -> dict[str, str]:
             "key_file": cfg.tls.key_file, "user": cfg.user, "password_file": cfg.password_file}
 
 
+class EtcdClientOptions(TypedDict):
+    """The TLS and auth keyword arguments of ``EtcdMembership``, as ``client_options``
+    returns them."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    user: str
+    password: str
+
+
 def client_options(ca_file: str = "", cert_file: str = "", key_file: str = "", user: str = "",
-                   password_file: str = "") -> dict[str, str]:
+                   password_file: str = "") -> EtcdClientOptions:
     """``EtcdMembership`` keyword arguments from ``client_fields``: the TLS files, the user
     and the password read from ``password_file``. Raises ConfigError when it cannot be
     read."""
@@ -84,13 +95,13 @@ def _describe(exc: BaseException) -> str:
     """``CODE: details`` of a grpc error, also when etcd3 re-raised it as its own type."""
     for err in (exc, exc.__cause__, exc.__context__):
         if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
-            return f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+            return f"{err.code().name}: {err.details()}"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _lease_not_found(exc: BaseException) -> bool:
     return (isinstance(exc, grpc.RpcError) and hasattr(exc, "code")
-            and exc.code() == grpc.StatusCode.NOT_FOUND)  # type: ignore[attr-defined]
+            and exc.code() == grpc.StatusCode.NOT_FOUND)
 
 
 class EtcdMembership:

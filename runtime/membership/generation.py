@@ -8,10 +8,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Callable, Mapping
 
 from phalanx.configs.errors import FatalError, MembershipUnavailable, TransientError
-from phalanx.runtime.base import Membership, WatchEvent
+from phalanx.runtime.base import (Membership, RestoreSource, WatchEvent, source_from_json,
+                                  source_to_json)
 
 log = logging.getLogger(__name__)
 GENERATION_KEY = "generation"
@@ -28,12 +29,11 @@ class PlanTimeout(TransientError):
 
 @dataclass(frozen=True)
 class RankAssignment:
-    """Who runs a rank in a generation and where its state at ``restore_step`` comes from
-    (ladder order: dicts ``{"kind": "keeper", "node", "host", "port"}`` or
-    ``{"kind": "tier", "tier": "disk" | "s3"}``)."""
+    """Who runs a rank in a generation and where its state at ``restore_step`` comes from:
+    the planner's sources in ladder order, with their addresses."""
 
     worker: str
-    sources: tuple[dict[str, Any], ...] = ()
+    sources: tuple[RestoreSource, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,16 @@ class GenerationPlan:
             "generation": self.generation, "world_size": self.world_size,
             "restore_step": self.restore_step, "reason": self.reason,
             "store": list(self.store) if self.store else None,
-            "ranks": {str(r): {"worker": a.worker, "sources": list(a.sources)}
+            "ranks": {str(r): {"worker": a.worker,
+                               "sources": [source_to_json(s) for s in a.sources]}
                       for r, a in sorted(self.ranks.items())},
         }, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> "GenerationPlan":
         raw = json.loads(data)
-        ranks = {int(r): RankAssignment(str(a["worker"]), tuple(dict(s) for s in a["sources"]))
+        ranks = {int(r): RankAssignment(str(a["worker"]),
+                                        tuple(source_from_json(s) for s in a["sources"]))
                  for r, a in raw["ranks"].items()}
         store = raw.get("store")
         return cls(int(raw["generation"]), int(raw["world_size"]), int(raw["restore_step"]),
@@ -80,7 +82,7 @@ class GenerationWatcher:
         self._latest = 0
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._cancel = None
+        self._cancel: Callable[[], None] | None = None
 
     def start(self) -> "GenerationWatcher":
         self._cancel = self._membership.watch_prefix(GENERATION_KEY, self._on_event)

@@ -157,9 +157,9 @@ class Replicator:
         with self._lock:
             self._plan = plan
             for target in [t for t in self._targets if t not in plan.ranks]:
-                sender = self._targets.pop(target)
-                sender.interrupt()
-                self._retired = [s for s in self._retired if s.thread.is_alive()] + [sender]
+                retiring = self._targets.pop(target)
+                retiring.interrupt()
+                self._retired = [s for s in self._retired if s.thread.is_alive()] + [retiring]
             for target, ranks in plan.ranks.items():
                 sender = self._targets.get(target)
                 if sender is None:
@@ -404,7 +404,7 @@ class _Sender:
         check()
         reply = link.push(header, manifest, view, segments, self.owner.digest, check,
                           first_timeout)
-        held = reply.get("held")
+        held: Any = reply.get("held")     # the keeper's wire value, covered by its check
         verify_check(reply.get("check"), [base["rank"], base["step"], held, reply.get("evicted")],
                      b"", f"{link.where}: replica_push of rank {base['rank']} step {base['step']}")
         sent = offered + push_nbytes(len(manifest), segments, self.owner.chunk_bytes)

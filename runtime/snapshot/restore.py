@@ -41,7 +41,7 @@ class KeeperSource:
     def open(self, rank: int, step: int) -> Iterator[tuple[bytes, Any]]:
         with contextlib.ExitStack() as stack:
             client = stack.enter_context(self.client_factory())
-            fetched = None
+            fetched: tuple[int, bytes, memoryview | bytearray] | None = None
             if self.local:
                 try:
                     fetched = stack.enter_context(client.borrow(rank, step))

@@ -3,6 +3,7 @@ node keepers of a launched job, by DCP users outside one (``TieredStorageWriter.
 and by tools, all with the same tier roots and job name, so each sees what the others wrote."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from phalanx.configs.errors import ConfigError
@@ -14,7 +15,7 @@ TIERS = ("disk", "s3")
 MIN_SECRET_BYTES = 16
 
 
-def disk_tier_root(cfg: PhalanxConfig, run_dir: str | Path | None) -> Path:
+def disk_tier_root(cfg: PhalanxConfig, run_dir: str | os.PathLike[str] | None) -> Path:
     """``tiers.disk.path``, or ``<run dir>/checkpoints`` when it is empty. Raises
     ConfigError when both are missing (outside a launched job there is no run dir)."""
     if cfg.tiers.disk.path:
@@ -28,7 +29,7 @@ def disk_tier_root(cfg: PhalanxConfig, run_dir: str | Path | None) -> Path:
 
 
 def open_tier(cfg: PhalanxConfig, name: str = "disk", *,
-              run_dir: str | Path | None = None) -> Tier:
+              run_dir: str | os.PathLike[str] | None = None) -> Tier:
     """The tier ``name`` ("disk" or "s3") of ``cfg`` for job ``cfg.job.name``."""
     if name == "disk":
         return DiskTier(disk_tier_root(cfg, run_dir), cfg.job.name)
@@ -39,6 +40,18 @@ def open_tier(cfg: PhalanxConfig, name: str = "disk", *,
 
         return S3Tier(cfg.tiers.s3, cfg.job.name)
     raise ConfigError("tier", f"{name!r} is not a tier", f"use one of {list(TIERS)}")
+
+
+def tier_specs(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int, float]]:
+    """(tier, every_steps, keep, every_s) for each enabled tier: what TierPersister takes."""
+    disk, s3 = cfg.tiers.disk, cfg.tiers.s3
+    return [(open_tier(cfg, name, run_dir=run_dir), t.every_steps, t.keep, t.every_s)
+            for name, t in (("disk", disk), ("s3", s3)) if t.enabled]
+
+
+def build_tiers(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int]]:
+    """(tier, every_steps, keep) for each enabled tier (``tier_specs`` adds every_s)."""
+    return [(tier, every, keep) for tier, every, keep, _ in tier_specs(cfg, run_dir)]
 
 
 def read_job_secret(cfg: PhalanxConfig) -> bytes | None:

@@ -373,7 +373,8 @@ class TierPersister:
                         "deleted": deleted})
 
     def _skipped(self, state: _TierState, step: int, rank: int, exc: Exception) -> None:
-        cause = {SnapshotNotFound: "gone", SnapshotCorrupt: "corrupt"}.get(type(exc), "preempted")
+        causes: dict[type[Exception], str] = {SnapshotNotFound: "gone", SnapshotCorrupt: "corrupt"}
+        cause = causes.get(type(exc), "preempted")
         event = {"event": "tier_skipped", "tier": state.tier.name, "step": step, "rank": rank,
                  "cause": cause, "reason": str(exc)}
         bad = _TENSOR_RE.search(str(exc)) if cause == "corrupt" else None

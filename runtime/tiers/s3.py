@@ -311,7 +311,7 @@ class S3Tier:
             if token:
                 extra["ContinuationToken"] = token
             page = self._retry("list_objects_v2", self._url(prefix),
-                               lambda extra=extra: self.client.list_objects_v2(**self._params(**extra)))
+                               lambda: self.client.list_objects_v2(**self._params(**extra)))
             if delimiter:
                 found += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
             else:
@@ -353,7 +353,7 @@ class S3Tier:
         keys = self._list(f"{self._base}/{step_dir_name(step)}/", delimiter=None)
         for start in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[start:start + 1000]], "Quiet": True}
-            result = self._retry("delete_objects", f"step {step}", lambda batch=batch: self.client
+            result = self._retry("delete_objects", f"step {step}", lambda: self.client
                                  .delete_objects(**self._params(Delete=batch)))
             if result.get("Errors"):
                 first = result["Errors"][0]

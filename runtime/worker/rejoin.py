@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, assert_never
 
 from phalanx.configs.schema import S3TierConfig
+from phalanx.runtime.base import KeeperCopy, TierCopy
 from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.snapshot.restore import (KeeperSource, RestoreResult, SnapshotSource,
                                               TierSource, restore)
@@ -16,36 +17,36 @@ from phalanx.runtime.tiers.disk import DiskTier
 log = logging.getLogger(__name__)
 
 
-def ladder_sources(descriptors: Sequence[Mapping[str, Any]], *, job: str, secret: bytes | None,
-                   timeout_s: float, generation: int,
+def ladder_sources(plan_sources: Sequence[KeeperCopy | TierCopy], *, job: str,
+                   secret: bytes | None, timeout_s: float, generation: int,
                    local_node: str | None = None) -> list[SnapshotSource]:
-    """Sources for ``restore`` from the plan's plain descriptors, in the plan's order; the
+    """Sources for ``restore`` from the plan's typed sources, in the plan's order; the
     keeper of ``local_node`` (this process's node) lends its slots to be mapped."""
     sources: list[SnapshotSource] = []
-    for item in descriptors:
-        kind = item.get("kind")
-        if kind == "keeper":
-            host, port, node = str(item["host"]), int(item["port"]), str(item.get("node", "?"))
+    for item in plan_sources:
+        match item:
+            case KeeperCopy(node=node, host=host, port=port):
+                def factory(host: str = host, port: int = port) -> KeeperClient:
+                    return KeeperClient(host, port, secret or b"", job, timeout_s=timeout_s,
+                                        role="restore", generation=generation)
 
-            def factory(host: str = host, port: int = port) -> KeeperClient:
-                return KeeperClient(host, port, secret or b"", job, timeout_s=timeout_s,
-                                    role="restore", generation=generation)
+                sources.append(KeeperSource(f"keeper {node}", factory,
+                                            local=local_node is not None and node == local_node))
+            case TierCopy(tier="disk", path=path):
+                sources.append(TierSource(DiskTier(Path(path), job)))
+            case TierCopy(tier="s3", s3=s3):
+                from phalanx.runtime.tiers.s3 import S3Tier
 
-            sources.append(KeeperSource(f"keeper {node}", factory,
-                                        local=local_node is not None and node == local_node))
-        elif kind == "tier" and item.get("tier") == "disk":
-            sources.append(TierSource(DiskTier(Path(str(item["path"])), job)))
-        elif kind == "tier" and item.get("tier") == "s3":
-            from phalanx.runtime.tiers.s3 import S3Tier
-
-            sources.append(TierSource(S3Tier(S3TierConfig(**item["config"]), job)))
-        else:
-            log.warning("event=unknown_restore_source descriptor=%r", dict(item))
+                sources.append(TierSource(S3Tier(S3TierConfig(**s3), job)))
+            case TierCopy(tier=tier):
+                log.warning("event=unknown_restore_tier tier=%r", tier)
+            case _:
+                assert_never(item)
     return sources
 
 
 def restore_rank(objects: Mapping[str, Any], rank: int, step: int,
-                 descriptors: Sequence[Mapping[str, Any]], *, job: str, secret: bytes | None,
+                 descriptors: Sequence[KeeperCopy | TierCopy], *, job: str, secret: bytes | None,
                  timeout_s: float, generation: int,
                  local_node: str | None = None) -> RestoreResult:
     """Apply (rank, step) from the first verified source; raises ``SnapshotNotFound``."""

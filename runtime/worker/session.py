@@ -21,14 +21,14 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from phalanx.configs.errors import (LeaseLost, MembershipUnavailable, PeerUnreachable,
                                     StaleGeneration)
-from phalanx.runtime.base import MemberRecord
+from phalanx.runtime.base import MemberRecord, RestoreSource, source_from_json
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.membership.generation import Fenced, GenerationWatcher
@@ -139,7 +139,8 @@ class Session:
             raise_on_sigusr1()
         restore = ctx.extra.get("restore")
         if isinstance(restore, dict):
-            self._apply_restore(int(restore["step"]), restore["sources"], ctx.generation)
+            self._apply_restore(int(restore["step"]),
+                                [source_from_json(s) for s in restore["sources"]], ctx.generation)
             self._awaiting_first_step = True
         if not ctx.standalone_run:
             self._collective = Collective(lambda: connect_store(ctx, ctx.group_timeout_s),
@@ -441,11 +442,12 @@ class Session:
         log.warning("event=rank_rejoined rank=%d generation=%d restore_step=%d seconds=%.3f",
                     self.rank, plan.generation, plan.restore_step, time.perf_counter() - started)
 
-    def _apply_restore(self, step: int, sources: Any, generation: int) -> None:
+    def _apply_restore(self, step: int, sources: Sequence[RestoreSource],
+                       generation: int) -> None:
         ctx = self.context
         started = time.perf_counter()
-        sources, peers = split_sources(sources)
-        result = restore_rank(self._objects, ctx.rank, step, sources, job=ctx.job,
+        ladder, peers = split_sources(sources)
+        result = restore_rank(self._objects, ctx.rank, step, ladder, job=ctx.job,
                               secret=ctx.secret, timeout_s=ctx.group_timeout_s,
                               generation=generation, local_node=ctx.node)
         # silent corruption: the replicated objects from a healthy peer's snapshot

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.configs.errors import ConfigError, SnapshotNotFound, StaleGeneration
+from phalanx.configs.errors import ConfigError, PhalanxError, SnapshotNotFound, StaleGeneration
 from phalanx.runtime.keeper.daemon import (Keeper, KeeperClient, KeeperRequestInvalid, SlotBusy,
                                            check_capacity, memory_plan, owned_names)
 from phalanx.runtime.transport.tcp import PeerRefused
@@ -324,3 +324,32 @@ def test_a_borrowed_slot_is_mapped_pinned_and_released_when_given_back_or_cut(ke
     cut.close()
     with pytest.raises(KeeperRequestInvalid, match="names nothing lent"):
         client._call({"op": "give_back", "token": 99})
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+def test_replication_ops_come_only_through_the_op_port(keeper, fence):
+    """A plain keeper serves no replication op (the keeper never imports replication); the
+    node keeper registers replication's receiving ops, fenced like the keeper's own writes."""
+    from phalanx.runtime.node import node_keeper
+    from phalanx.runtime.transport.tcp import Reply
+
+    offer = {"op": "replica_offer", "rank": 0, "size": 8}
+    with KeeperClient(*keeper.address, SECRET, keeper.job, generation=1) as plain:
+        with pytest.raises(KeeperRequestInvalid, match="unknown op 'replica_offer'"):
+            plain._call(offer)
+    seen: list[str] = []
+    extra = {"echo": lambda k, request: seen.append(k.node) or Reply({"node": k.node})}
+    job = f"kt{os.getpid()}-{next(_names)}"
+    with Keeper("n1", job, SECRET, SHM, ops=extra,
+                generation_check=lambda g: g >= fence["generation"]) as ported:
+        with KeeperClient(*ported.address, SECRET, job, generation=1) as client:
+            assert client._call({"op": "echo"}) == {"node": "n1"} and seen == ["n1"]
+            fence["generation"] = 2                     # a registered op is a fenced write
+            with pytest.raises(StaleGeneration):
+                client._call({"op": "echo"})
+    with node_keeper("n2", job, SECRET, SHM) as served:
+        with KeeperClient(*served.address, SECRET, job, generation=1) as client:
+            with pytest.raises(PhalanxError) as refused:   # served: it reads the manifest,
+                client._call(offer)                        # and an empty one is refused
+            assert "unknown op" not in str(refused.value)

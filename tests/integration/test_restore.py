@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from phalanx.runtime.base import KeeperCopy, NodeId, TierCopy
 from phalanx.configs.errors import SnapshotNotFound
 from phalanx.runtime.keeper.daemon import Keeper
 from phalanx.runtime.keeper.wire import KeeperClient
@@ -44,9 +45,9 @@ def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def keeper_source(keeper: Keeper, node: str) -> dict:
+def keeper_source(keeper: Keeper, node: str) -> KeeperCopy:
     host, port = keeper.address
-    return {"kind": "keeper", "node": node, "host": host, "port": port}
+    return KeeperCopy(NodeId(node), host, port)
 
 
 @pytest.mark.timeout(60)
@@ -63,7 +64,7 @@ def test_ladder_skips_a_dead_keeper_and_a_corrupted_replica(tmp_path: Path, capl
         replica.put_replica(1, 7, manifest, corrupted)
         dead = keeper_source(own, "own")
         sources = [dead, keeper_source(replica, "replica"),
-                   {"kind": "tier", "tier": "disk", "path": str(tmp_path)}]
+                   TierCopy("disk", str(tmp_path))]
         own.close()  # the rank's own node is gone with its memory
         fresh_model, fresh_opt = trained()
         with torch.no_grad():

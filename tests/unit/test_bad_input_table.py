@@ -1,7 +1,8 @@
 """One table of bad inputs across config files, the command line, snapshot manifests and
 payloads, peer frames and S3 objects, each with the exact error class, a fragment of its
-message and the fix. README.md's "Error reference" is rendered from this table and a test
-keeps the two identical: print it with ``.venv/bin/python -m tests.unit.test_bad_input_table``.
+message and the fix. docs/troubleshooting.md's "Error reference" is rendered from this table
+and a test keeps the two identical: print it with
+``.venv/bin/python -m tests.unit.test_bad_input_table``.
 
 Config errors must name the file, the key, the value and a fix; command-line cases run
 ``phalanx.launcher.cli.main`` (no job is launched) and check the exit code and stderr.
@@ -31,7 +32,7 @@ from phalanx.runtime.tiers.config import read_job_secret
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ERROR_REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
 SECRET = b"k" * 32
 JOB = "bad-input"
 ENTRY = "job:\n  entrypoint: train.py:main\n"
@@ -408,7 +409,7 @@ def test_the_table_covers_every_surface() -> None:
     assert len({c.id for c in CASES}) == len(CASES)
 
 
-# ------------------------------------------------------------------ README
+# ------------------------------------------------------ docs/troubleshooting.md
 
 START, END = "<!-- error-reference:start -->\n", "<!-- error-reference:end -->"
 
@@ -418,7 +419,7 @@ def _cell(text: str) -> str:
 
 
 def render_table() -> str:
-    """The README's error reference, rendered from CASES."""
+    """The error reference of docs/troubleshooting.md, rendered from CASES."""
     lines = ["| id | input | error | message contains | fix |", "|---|---|---|---|---|"]
     for c in CASES:
         error = "usage error (exit 2)" if c.error is SystemExit else f"`{c.error.__name__}`"
@@ -429,15 +430,16 @@ def render_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_readme_error_reference_matches_the_table() -> None:
-    text = README.read_text(encoding="utf-8")
+def test_error_reference_matches_the_table() -> None:
+    text = ERROR_REFERENCE.read_text(encoding="utf-8")
     assert text.count(START) == 1 and text.count(END) == 1, \
-        "README needs the error-reference markers"
+        "docs/troubleshooting.md needs the error-reference markers"
     inside = text.partition(START)[2].partition(END)[0]
-    assert inside == render_table(), ("README.md's error reference is stale: paste the output "
-                                      "of `.venv/bin/python -m tests.unit.test_bad_input_table`")
-    section = text.partition("## Troubleshooting")[2]
-    assert START in section                      # it lives under Troubleshooting
+    assert inside == render_table(), ("docs/troubleshooting.md's error reference is stale: paste "
+                                      "the output of `.venv/bin/python -m "
+                                      "tests.unit.test_bad_input_table`")
+    section = text.partition("## Error reference")[2]
+    assert START in section                      # it lives under its own heading
 
 
 if __name__ == "__main__":

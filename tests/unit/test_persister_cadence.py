@@ -189,7 +189,7 @@ def test_every_s_opens_wall_clock_windows_when_steps_are_far_apart(nodes) -> Non
 
 
 def test_tier_specs_pass_every_s_through(tmp_path: Path) -> None:
-    from phalanx.launcher.keeper_actor import build_tiers, tier_specs
+    from phalanx.runtime.tiers.config import build_tiers, tier_specs
 
     cfg = PhalanxConfig(job=JobConfig(entrypoint="x.py:main", name=JOB),
                         tiers=TiersConfig(disk=DiskTierConfig(every_steps=7, every_s=30.0,

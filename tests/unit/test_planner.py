@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import random
 import time
 from collections import Counter
@@ -20,12 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from phalanx.configs.schema import RecoveryConfig, SparesConfig
-from phalanx.recovery.base import (Abort, FaultKind, FaultReport, PromoteSpare, RecoveryPlan,
-                                   ReplicaMap, RestartWorker, RestoreFromKeeper, RestoreFromTier,
+from phalanx.recovery.base import (Abort, Corruption, FaultKind, FaultReport, PromoteSpare,
+                                   RecoveryPlan, RepairFromPeer, ReplicaMap, RestartWorker,
+                                   RestoreFromKeeper, RestoreFromTier,
                                    Rollback, SpareInventory, TierInventory, WaitForCapacity,
                                    WorldView)
 from phalanx.recovery.planner import RecoveryPolicy, plan_recovery
-from phalanx.runtime.base import Generation, NodeId, Rank, SpareId, Step, WorkerId
+from phalanx.runtime.base import (Generation, KeeperCopy, NodeId, PeerCopy, Rank, SpareId, Step,
+                                  TierCopy, WorkerId, source_from_json, source_to_json)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -424,3 +427,54 @@ def test_plan_invariants(dead: set[int], killed: set[int], n_spares: int, policy
     for action in plan.actions:
         if isinstance(action, (PromoteSpare, RestartWorker)):
             assert action.node in world.live_nodes
+
+
+# --- restore ladders: the planner names every rank's sources in order ---------------------
+
+
+def test_a_lost_rank_ladder_is_its_own_keeper_then_other_holders_then_tiers() -> None:
+    plan = plan_recovery([died(5, "n2")], make_world(), make_replicas(), tiers(disk=(5,)),
+                         spares(sp="n0"), RecoveryPolicy(), NOW)
+    # rank 5 lives on n2 and is replicated on n3 and n0 (factor 2): own first, then by node
+    assert plan.sources[Rank(5)] == (KeeperCopy(NodeId("n2")), KeeperCopy(NodeId("n0")),
+                                     KeeperCopy(NodeId("n3")), TierCopy("disk"), TierCopy("s3"))
+    assert set(plan.sources) == set(plan.rank_workers)      # every rank, survivors too
+
+
+def test_a_dead_nodes_ranks_start_at_their_chosen_holder_and_skip_the_dead_keeper() -> None:
+    case = CASES["node-died-replica-keeper-distinct-holders"]
+    plan = plan_recovery(case.faults, case.world, case.replicas, case.tiers, case.spares,
+                         case.policy, NOW)
+    dead = {f.node for f in case.faults if f.kind is FaultKind.NODE_DIED}
+    assert dead and plan.of_type(RestoreFromKeeper)
+    for action in plan.of_type(RestoreFromKeeper):
+        ladder = plan.sources[action.rank]
+        assert ladder[0] == KeeperCopy(action.node)
+        keepers = [s.node for s in ladder if isinstance(s, KeeperCopy)]
+        assert len(keepers) == len(set(keepers)) and not set(keepers) & dead
+
+
+def test_a_repaired_rank_names_its_peer_after_its_own_source() -> None:
+    corruption = Corruption(Step(10), Step(9), ((Rank(1), "bad"), (Rank(0), "good")))
+    sdc = FaultReport(FaultKind.SILENT_CORRUPTION, (Rank(1),), None, NOW - 1, "digests",
+                      corruption)
+    plan = plan_recovery([sdc], make_world(), make_replicas(), tiers(), spares(),
+                         RecoveryPolicy(), NOW)
+    [repair] = plan.of_type(RepairFromPeer)
+    ladder = plan.sources[Rank(1)]
+    assert ladder[0] == KeeperCopy(NodeId("n0"))
+    assert ladder[1] == PeerCopy(repair.peer, repair.node)
+
+
+def test_restore_sources_round_trip_as_json_and_unknown_kinds_are_refused() -> None:
+    copies = [KeeperCopy(NodeId("node1"), "127.0.0.1", 4242), TierCopy("disk", "/ckpt"),
+              TierCopy("s3", s3={"bucket": "b", "prefix": "p"}),
+              PeerCopy(Rank(2), NodeId("node0"), ("model", "optimizer"), "h", 9)]
+    for copy in copies:
+        again = source_from_json(json.loads(json.dumps(source_to_json(copy))))
+        assert again == copy and type(again) is type(copy)
+    assert source_from_json(source_to_json(copies[2])).s3 == {"bucket": "b", "prefix": "p"}
+    with pytest.raises(ValueError, match="unknown restore source kind"):
+        source_from_json({"kind": "tape"})
+    with pytest.raises(ValueError, match="unknown fields"):
+        source_from_json({"kind": "keeper", "node": "node0", "rack": 3})

@@ -12,6 +12,7 @@ import torch
 
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.keeper.daemon import Keeper
+from phalanx.runtime.base import KeeperCopy, NodeId, TierCopy, source_to_json
 from phalanx.runtime.snapshot.restore import TierSource, restore
 from phalanx.runtime.worker.session import Session
 from phalanx.runtime.snapshot.format import checksums, make_manifest, plan_layout, write_into
@@ -42,8 +43,8 @@ def snapshot_to(tier: DiskTier | MemoryTier, job: str, objects: dict[str, Any],
     tier.commit_step(step, [0])
 
 
-def disk_source(root: Path) -> list[dict]:
-    return [{"kind": "tier", "tier": "disk", "path": str(root)}]
+def disk_source(root: Path) -> list[TierCopy]:
+    return [TierCopy("disk", str(root))]
 
 
 @pytest.mark.unit
@@ -101,7 +102,8 @@ def test_extras_come_back_after_apply_restore_and_at_a_replacements_start(
     assert session.generation == 1
 
     replacement = Session(standalone(job, extra={"restore": {
-        "step": 7, "sources": disk_source(tmp_path)}}), capture_rng=False)
+        "step": 7, "sources": [source_to_json(s) for s in disk_source(tmp_path)]}}),
+        capture_rng=False)
     replacement.register(model=torch.nn.Linear(3, 2), history=[])
     replacement.extras.update(epoch=0, best=float("inf"))
     with replacement:
@@ -138,8 +140,7 @@ def test_scalar_extra_set_during_training_is_restored_from_the_keeper() -> None:
             session.extras.update(epoch=99, seen=-1)         # a step that is rolled back
             with torch.no_grad():
                 model.weight.zero_()
-            session._apply_restore(6, [{"kind": "keeper", "node": "node0", "host": host,
-                                        "port": port}], generation=0)
+            session._apply_restore(6, [KeeperCopy(NodeId("node0"), host, port)], generation=0)
             assert session.step_index == 6
             assert session.extras == {"epoch": 2, "seen": 48}
             for name, tensor in model.state_dict().items():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from phalanx.runtime.base import node_name
 from phalanx.configs.errors import ConfigError
 from phalanx.launcher.drills.catalogue import FaultEnv, FaultSpec, Mechanism, register
 
@@ -145,15 +146,15 @@ def partition_node(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:
                           "virtual node of the embedded Ray", "partition a node index of "
                           "a job with ray.address empty")
     node = spec.node
-    cut = Partition(f"node{node}", lambda: local_ray.node_pids(node)).start()
+    cut = Partition(node_name(node), lambda: local_ray.node_pids(node)).start()
 
     def heal() -> None:
         totals = cut.heal()
-        env.emit("drill_fault_end", index=spec.index, kind=spec.kind, node=f"node{node}",
+        env.emit("drill_fault_end", index=spec.index, kind=spec.kind, node=node_name(node),
                  **totals)
 
     env.later(spec.params["for_s"], heal)
-    return {"node": f"node{node}", "pids": local_ray.node_pids(node),
+    return {"node": node_name(node), "pids": local_ray.node_pids(node),
             "for_s": spec.params["for_s"], "mechanism": "ss -K every 50 ms"}
 
 

@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any, Mapping
 
+from phalanx.runtime.base import node_name
 from phalanx.configs.errors import ConfigError
 from phalanx.launcher.drills.catalogue import FaultEnv, FaultSpec, Mechanism, register
 
@@ -57,7 +58,7 @@ def kill_node(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:
     env.remove_node(spec.node)
     for pid in pids:     # the node's processes die with it (remove_node kills them too)
         send(pid, signal.SIGKILL)
-    return {"node": f"node{spec.node}", "worker_pids": pids}
+    return {"node": node_name(spec.node), "worker_pids": pids}
 
 
 def hang_worker(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:

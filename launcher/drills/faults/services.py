@@ -9,6 +9,7 @@ import signal
 import time
 from typing import Any, Mapping
 
+from phalanx.runtime.base import node_name
 from phalanx.configs.errors import ConfigError, ServiceStartError
 from phalanx.launcher.services.etcd_server import STOP_SIGNALS
 from phalanx.launcher.drills.catalogue import FaultEnv, FaultSpec, Mechanism, register
@@ -64,7 +65,7 @@ def kill_keeper(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:
     except ProcessLookupError:
         delivered = False
         log.warning("event=drill_signal_missed pid=%d signal=SIGKILL", pid)
-    return {"node": f"node{spec.node}", "pid": pid, "signal": "SIGKILL", "delivered": delivered}
+    return {"node": node_name(spec.node), "pid": pid, "signal": "SIGKILL", "delivered": delivered}
 
 
 register(Mechanism("etcd_restart", "communication", "role", etcd_restart,

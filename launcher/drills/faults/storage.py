@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 import ray
 
+from phalanx.runtime.base import node_name
 from phalanx.configs.errors import ConfigError
 from phalanx.launcher.drills.catalogue import FaultEnv, FaultSpec, Mechanism, register
 
@@ -48,7 +49,7 @@ def _keeper_files(env: FaultEnv, rank: int, kind: str) -> list[dict[str, Any]]:
             held = ray.get(actor.snapshot_files.remote(rank), timeout=KEEPER_TIMEOUT_S)
         except Exception:  # a keeper gone with its node holds nothing to damage
             continue
-        files += [{**f, "node": f"node{node}"} for f in held if f["kind"] == kind]
+        files += [{**f, "node": node_name(node)} for f in held if f["kind"] == kind]
     return files
 
 
@@ -91,7 +92,7 @@ def delete_snapshot(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:
 
 
 def _tier_step(spec: FaultSpec, env: FaultEnv, where: str) -> tuple[int, Any]:
-    from phalanx.launcher.keeper_actor import build_tiers
+    from phalanx.runtime.tiers.config import build_tiers
 
     if where not in TIERS:
         raise ConfigError(f"faults[{spec.index}].params.where", f"{where!r} is not a tier",

@@ -1,0 +1,56 @@
+"""The coordinator executes the planner's restore ladders as they are: it gives each source
+its address (a keeper's host and port, a tier's root) and leaves out what it cannot address,
+but adds, drops or reorders nothing else; the worker reads back the same typed sources."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from phalanx.configs.loader import load_config
+from phalanx.launcher.coordination.coordinator import RecoveryCoordinator
+from phalanx.launcher.events import EventLog
+from phalanx.recovery.base import RecoveryPlan
+from phalanx.runtime.base import (Generation, KeeperCopy, NodeId, PeerCopy, Rank, Step, TierCopy,
+                                  WorkerId)
+from phalanx.runtime.membership.generation import GenerationPlan
+from tests.fakes.membership_memory import InMemoryMembership
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+
+def coordinator(tmp_path: Path, *overrides: str) -> RecoveryCoordinator:
+    cfg = load_config("configs/demo.yaml", ["job.world_size=2", *overrides])
+    keepers = {0: (None, ("10.0.0.1", 7000)), 1: (None, ("10.0.0.2", 7001))}
+    return RecoveryCoordinator(cfg, InMemoryMembership(), keepers, None,
+                               lambda slot, gen, restore: None,
+                               EventLog(tmp_path / "events.jsonl"), str(tmp_path))
+
+
+def plan(sources: dict[int, tuple]) -> RecoveryPlan:
+    return RecoveryPlan(Generation(2), Step(7), (), {Rank(r): WorkerId(f"w{r}") for r in sources},
+                        "test", {Rank(r): s for r, s in sources.items()})
+
+
+def test_sources_get_addresses_in_the_planners_order(tmp_path: Path) -> None:
+    coord = coordinator(tmp_path, "tiers.s3.enabled=false")
+    ladder = (KeeperCopy(NodeId("node1")), PeerCopy(Rank(0), NodeId("node0")),
+              KeeperCopy(NodeId("node0")), TierCopy("s3"), TierCopy("disk"))
+    worker = coord.worker_plan(plan({1: ladder, 0: (KeeperCopy(NodeId("node0")),)}))
+    got = worker.ranks[1].sources
+    assert got == (KeeperCopy(NodeId("node1"), "10.0.0.2", 7001),
+                   PeerCopy(Rank(0), NodeId("node0"),
+                            tuple(coord.cfg.detection.replicated_state), "10.0.0.1", 7000),
+                   KeeperCopy(NodeId("node0"), "10.0.0.1", 7000),
+                   TierCopy("disk", str(tmp_path / "checkpoints")))   # s3 is off: left out
+    assert worker.ranks[0].sources == (KeeperCopy(NodeId("node0"), "10.0.0.1", 7000),)
+    again = GenerationPlan.from_json(worker.to_json())
+    assert again.ranks[1].sources == got
+    assert [type(s) for s in again.ranks[1].sources] == [type(s) for s in got]
+
+
+def test_a_keeper_the_launcher_does_not_know_is_left_out(tmp_path: Path) -> None:
+    coord = coordinator(tmp_path, "tiers.disk.enabled=false")
+    worker = coord.worker_plan(plan({0: (KeeperCopy(NodeId("node5")),
+                                         KeeperCopy(NodeId("node0")))}))
+    assert worker.ranks[0].sources == (KeeperCopy(NodeId("node0"), "10.0.0.1", 7000),)
