@@ -4,7 +4,7 @@
  * Each 32 KiB piece is hashed from the source first (which pulls it into L1), then copied
  * from that hot source to the slot with non-temporal stores: memory sees one read of the
  * source and one write of the slot, no read-for-ownership of the slot's lines, so on the
- * 2-core CI machine copy + hash outrun a plain memcpy (runtime/fused_copy.py).
+ * 2-core CI machine copy + hash outrun a plain memcpy (runtime/snapshot/fused_copy.py).
  *
  * The XXH3 functions are python-xxhash's own (passed in as pointers), so this file needs
  * no header beyond the C library and the one digest is the one the Python path computes.

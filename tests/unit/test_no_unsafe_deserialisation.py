@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 SCANNED_DIRS = ("runtime", "launcher", "recovery", "spares", "configs", "examples", "bench",
                 "tests")
-SCANNED_FILES = ("phalanx.py",)
+SCANNED_FILES = ("__init__.py",)
 
 # Any call to these (after alias resolution) deserialises arbitrary objects.
 UNSAFE_CALLS = {
