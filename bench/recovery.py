@@ -38,6 +38,7 @@ PASS/MISS per target; a missed target or a failed run never fails the process.
 from __future__ import annotations
 
 import argparse
+import calendar
 import json
 import math
 import os
@@ -76,7 +77,7 @@ HASH_RE = re.compile(r"rank (\d+) final parameter hash ([0-9a-f]{64})")
 LAYOUT_RE = re.compile(r"event=snapshot_layout rank=(\d+) bytes=(\d+)")
 RESTORED_RE = re.compile(r"event=rank_restored rank=(\d+) step=(\d+) source='([^']*)' "
                          r"bytes=(\d+) seconds=([0-9.]+)")
-STAMP_RE = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ "
+STAMP_RE = r"^ts=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z .*?"   # logfmt (runtime.logs)
 RUN_AT_RE = re.compile(STAMP_RE + r"event=worker_run ", re.M)
 START_AT_RE = re.compile(STAMP_RE + r"event=session_start ", re.M)
 RESTORED_AT_RE = re.compile(STAMP_RE + r"event=rank_restored ", re.M)
@@ -228,8 +229,8 @@ def read_logs(run_dir: Path | None) -> dict[str, Any]:
 
 
 def _stamp(text: str) -> float:
-    """A logging timestamp (local time, ms) as epoch seconds."""
-    return time.mktime(time.strptime(text[:19], "%Y-%m-%d %H:%M:%S")) + int(text[20:23]) / 1000
+    """A log line's ``ts`` (UTC, ms) as epoch seconds."""
+    return calendar.timegm(time.strptime(text[:19], "%Y-%m-%dT%H:%M:%S")) + int(text[20:23]) / 1000
 
 
 def replacement_timeline(worker: str, text: str) -> dict[str, Any]:

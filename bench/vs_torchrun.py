@@ -23,7 +23,9 @@ steps the ranks had completed at the kill minus the step training resumed from);
 written to storage (DCP folders; phalanx's disk-tier writes); peak host memory (private
 memory of every process of the run plus the growth of /dev/shm, sampled every 0.2 s); the
 final parameter hash vs the fault-free ``torchrun`` run (the same arithmetic: phalanx's
-all-reduce is the same gloo all-reduce). Medians over the repeats.
+all-reduce is the same gloo all-reduce); goodput, the run's wall time broken down into
+start-up, productive steps, redone steps, recovery phases, save or snapshot stalls and
+shutdown (``bench/vs_torchrun_goodput.py``). Medians over the repeats.
 
 Scaling: kill → first step and lost steps vs world size (``--worlds``) for ``dcp k=10``
 and ``phalanx`` on the MLP job.
@@ -60,6 +62,7 @@ from bench.run_watch import (Killer, MemorySampler, Tail, du, free_port,  # noqa
                              json_lines, process_tree, steady_step_s)
 from bench.vs_torchrun_report import (SCALING_SYSTEMS, markdown, ms, plot,  # noqa: E402
                                       ratios_of, scaling_of, summarize, targets_of)
+from bench.vs_torchrun_goodput import phalanx_goodput, torchrun_goodput  # noqa: E402
 
 SCHEMA_VERSION = 1
 TARGET_RANK = 1
@@ -196,6 +199,7 @@ def run_torchrun(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
         errors.append(f"torchrun exited {code}")
     if killer is not None:
         errors += _torchrun_recovery(out, killer, records)
+    out["goodput"] = torchrun_goodput(records, started, started + wall, out, run.steps)
     if out["steps_completed"] != run.steps or not out["ranks_agree"]:
         errors.append(f"{len(done)} of {run.world} ranks finished, at step "
                       f"{out['steps_completed']} of {run.steps}")
@@ -354,6 +358,10 @@ def run_phalanx(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
     steps = {r: [(x["step"], x["t"]) for x in json_lines(Path(f"{live}.rank{r}.live"))]
              for r in range(run.world)}
     errors += _phalanx_recovery(out, killer, events, steps)
+    out["goodput"] = phalanx_goodput(out["run_dir"], started, started + wall,
+                                     (out.get("phases") or {}).get("notice"))
+    if out["goodput"] is None:
+        errors.append("the run wrote no summary.json (no goodput)")
     out["ok"] = not errors
     if errors:
         out["error"] = "; ".join(errors)

@@ -38,12 +38,21 @@ def summarize(runs: list[dict[str, Any]], labels: dict[str, str],
             ref = references.get(job)
             cell["identical_to_fault_free"] = (all(r.get("hash") == ref for r in ok)
                                                if ok and ref else None)
+            cell["goodput"] = _median_goodput(ok)
+            cell["effective"] = cell["goodput"]["effective"] if cell["goodput"] else None
         baseline = cells.get("torchrun", {}).get("steady_step_s")
         for cell in cells.values():
             step = cell.get("steady_step_s")
             cell["overhead"] = (round(step / baseline - 1, 4)
                                 if step is not None and baseline else None)
     return out
+
+
+def _median_goodput(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The goodput breakdown of the run with the median effective share (a breakdown of
+    medians would not sum to a wall time)."""
+    found = sorted((r["goodput"] for r in runs if r.get("goodput")), key=lambda g: g["effective"])
+    return found[(len(found) - 1) // 2] if found else None
 
 
 def ratios_of(summary: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -125,6 +134,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [markdown_table(["system", "wall s", "step ms", "overhead",
                                   "kill→first step s", "kill→regained s", "lost steps", "written MiB",
                                   "peak mem MiB", "params = fault-free", "ok"], rows), ""]
+        lines += _goodput_table(cells)
         ratios = report["ratios"].get(job, {})
         if ratios:
             lines += ["phalanx / torchrun ratios (below 1: phalanx is lower):", "",
@@ -147,6 +157,24 @@ def markdown(report: dict[str, Any]) -> str:
     if failed:
         lines += ["## Failed runs", ""] + [f"- {r['name']}: {r.get('error')}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def _goodput_table(cells: dict[str, dict[str, Any]]) -> list[str]:
+    """Per system: effective training time and the wall time's parts (seconds)."""
+    rows = []
+    for cell in cells.values():
+        g = cell.get("goodput")
+        if not g:
+            rows.append([cell["label"]] + ["-"] * 9)
+            continue
+        rows.append([cell["label"], f"{g['effective'] * 100:.1f}%", g["wall_s"], g["startup_s"],
+                     g["productive_s"], g["redone_s"], g["snapshot_stall_s"],
+                     round(sum(g["recovery_s"].values()), 4), g["shutdown_s"], g["sum_s"]])
+    return ["Goodput (one run per system, the median effective share; the parts sum to the "
+            "wall time; stall = DCP save blocking or phalanx snapshot stall):", "",
+            markdown_table(["system", "effective", "wall s", "startup s", "productive s",
+                            "redone s", "stall s", "recovery s", "shutdown s", "sum s"], rows),
+            ""]
 
 
 def ms(seconds: float | None) -> float | None:

@@ -9,7 +9,7 @@ import math
 import os
 import re
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,12 +36,18 @@ _JSON_TYPES = (type(None), bool, int, float, str)
 # expand exponentially (then be walked, dumped and sent to every worker).
 MAX_DEPTH = 64
 MAX_NODES = 100_000
+# Keys an earlier phalanx wrote into every run's saved config (<run>/config.yaml) and that
+# no longer exist: ``load_config(..., drop=RETIRED_KEYS)`` reads such a saved config; a
+# config a user writes with one of them gets the unknown-key error.
+RETIRED_KEYS = frozenset({"recovery.can_shrink"})
 
 
 def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = (),
-                env: Mapping[str, str] | None = None) -> PhalanxConfig:
+                env: Mapping[str, str] | None = None,
+                drop: Collection[str] = ()) -> PhalanxConfig:
     """Read ``path`` (None: no file), apply ``PHALANX_SET`` from ``env`` (default
-    ``os.environ``) and then ``overrides`` (``--set`` texts), and build the config.
+    ``os.environ``) and then ``overrides`` (``--set`` texts), and build the config. Keys
+    of the file named in ``drop`` (dotted paths, e.g. ``RETIRED_KEYS``) are ignored.
 
     An empty file means all defaults. Relative file paths inside the config are kept as
     written. Raises ConfigError for an unreadable file, invalid YAML, a duplicate or unknown
@@ -55,6 +61,8 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
         root = yaml.MappingNode(_MAP_TAG, [], mark, mark)
     _check_size(root, source)
     _reject_duplicates(root, "", source, set())
+    for key in drop:
+        _drop_key(root, key.split("."))
     for override in collect_overrides(PhalanxConfig, overrides, env):
         if isinstance(root, yaml.MappingNode):  # else _build reports the top level
             apply_override(root, override)
@@ -109,6 +117,21 @@ class _Origins:
     def locate(self, exc: ConfigError) -> ConfigError:
         origin = self.of(exc.key)
         return exc.located(origin.source, origin.line)
+
+
+def _drop_key(node: yaml.Node, path: list[str]) -> None:
+    """Remove the mapping entry at ``path`` (a list of key names) when it exists."""
+    for depth, name in enumerate(path):
+        if not isinstance(node, yaml.MappingNode):
+            return
+        found = [i for i, (key, _) in enumerate(node.value)
+                 if isinstance(key, yaml.ScalarNode) and key.value == name]
+        if not found:
+            return
+        if depth == len(path) - 1:
+            del node.value[found[0]]
+            return
+        node = node.value[found[0]][1]
 
 
 def _compose_file(path: Path, source: str) -> yaml.Node | None:

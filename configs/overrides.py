@@ -3,6 +3,7 @@ spliced into the composed YAML tree before it is converted, so they get the file
 """
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,10 @@ _STR_TAG = "tag:yaml.org,2002:str"
 _MAP_TAG = "tag:yaml.org,2002:map"
 _NULL_TAG = "tag:yaml.org,2002:null"
 _HINT = "write section.key=value, e.g. job.world_size=4 or etcd.endpoints=[host:2379]"
+_ENV_HINT = (f"{ENV_VAR} holds section.key=value assignments separated by ';', e.g. "
+             f"{ENV_VAR}='spares.count=0;job.world_size=4'")
+# a second assignment glued to a value with another separator: `a.b=1,c.d=2`, `a.b=1 c.d=2`
+_JOINED = re.compile(r"[,\s|&]+([A-Za-z_][\w-]*)((?:\.[\w-]+)+)=")
 
 
 @dataclass(frozen=True)
@@ -54,10 +59,28 @@ def parse_override(text: str, source: str = SET_SOURCE) -> Override:
     return Override(segments, node, source)
 
 
-def overrides_from_env(env: Mapping[str, str]) -> list[Override]:
-    """The overrides in ``PHALANX_SET="a.b=c;d.e=f"`` (empty parts skipped), in order."""
+def overrides_from_env(env: Mapping[str, str], sections: Sequence[str] = ()) -> list[Override]:
+    """The overrides in ``PHALANX_SET="a.b=c;d.e=f"`` (empty parts skipped), in order.
+
+    Raises ConfigError (source PHALANX_SET) for a malformed part, with a hint naming the
+    ';' separator; a part whose value holds another ``section.key=`` assignment (one of
+    ``sections``) glued on with ',' or a space is refused as such."""
     text = env.get(ENV_VAR, "")
-    return [parse_override(part.strip(), ENV_VAR) for part in text.split(";") if part.strip()]
+    found = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        key, _, raw = part.partition("=")
+        glued = next((m for m in _JOINED.finditer(raw) if m.group(1) in sections), None)
+        if glued is not None:
+            raise ConfigError(key.strip(), f"value {raw!r} holds a second assignment "
+                              f"({glued.group(1)}{glued.group(2)}=...) after "
+                              f"{glued.group(0)[0]!r}", _ENV_HINT, ENV_VAR)
+        try:
+            found.append(parse_override(part, ENV_VAR))
+        except ConfigError as exc:
+            raise ConfigError(exc.key, exc.problem, _ENV_HINT, ENV_VAR) from None
+    return found
 
 
 def collect_overrides(root_cls: type, overrides: Sequence[str],
@@ -65,7 +88,8 @@ def collect_overrides(root_cls: type, overrides: Sequence[str],
     """Environment overrides then ``--set`` overrides (the command line wins), all checked."""
     if isinstance(overrides, str):  # a lone string would be split into characters
         overrides = [overrides]
-    found = overrides_from_env(env) + [parse_override(text) for text in overrides]
+    found = overrides_from_env(env, list(field_types(root_cls))) + [
+        parse_override(text) for text in overrides]
     for override in found:
         check_path(root_cls, override)
     return found

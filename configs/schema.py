@@ -381,7 +381,6 @@ class RecoveryConfig:
     enabled: bool = doc("recover from faults in-process (false: a fault fails the job)", True)
     max_recoveries: int = doc("give up after this many recoveries in one run", 20)
     group_timeout_s: float = doc("timeout of the gloo process group's collectives", 30.0)
-    can_shrink: bool = doc("the job may continue with fewer ranks", False)
     on_worker_exception: str = doc("a rank whose entrypoint raises: replace (a spare takes it "
                                    "from the committed step; the same rank raising again at "
                                    "the same step fails the job) or fail", "replace")
@@ -414,6 +413,22 @@ class SecurityConfig:
                            "empty = generated per job", "")
 
 
+METRICS_PER_RANK_MAX = 10_000    # ranks up to which per-rank metric series may be turned on
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    port: int = doc("port of the launcher's Prometheus endpoint (/metrics); 0 = off", 0)
+    host: str = doc("interface the endpoint listens on", "127.0.0.1")
+    per_rank: bool = doc("also export one series per rank (step, heartbeat age; a rank "
+                         "label); refused above 10,000 ranks", False)
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "metrics.port", f"{self.port} is not a TCP port",
+                 "use 0 (off) or a free port such as 9400")
+        _require(bool(self.host), "metrics.host", "is empty", "use 127.0.0.1 or 0.0.0.0")
+
+
 @dataclass(frozen=True)
 class PhalanxConfig:
     job: JobConfig = doc("the training job", factory=JobConfig)
@@ -429,6 +444,7 @@ class PhalanxConfig:
                                          factory=CoordinatorConfig)
     drills: DrillsConfig = doc("fault injection", factory=DrillsConfig)
     security: SecurityConfig = doc("secrets", factory=SecurityConfig)
+    metrics: MetricsConfig = doc("the launcher's Prometheus endpoint", factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         if self.coordinator.standby:
@@ -460,6 +476,10 @@ class PhalanxConfig:
                  f"true, but snapshot.slots is {self.snapshot.slots}: the newest verified "
                  "step needs a slot of its own", "use snapshot.slots: 3 or more, or set "
                  "detection.compare_replicas: false")
+        _require(not self.metrics.per_rank or self.job.world_size <= METRICS_PER_RANK_MAX,
+                 "metrics.per_rank", f"true, but job.world_size is {self.job.world_size}: "
+                 f"per-rank series are bounded at {METRICS_PER_RANK_MAX:,} ranks",
+                 "set metrics.per_rank: false (the job-wide series stay)")
         _require(self.detection.stall_timeout_s > self.etcd.heartbeat_s * 2,
                  "detection.stall_timeout_s",
                  f"{self.detection.stall_timeout_s} is not above 2 x etcd.heartbeat_s",

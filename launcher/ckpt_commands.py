@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from phalanx.configs.errors import (ConfigError, TierUnavailable)
-from phalanx.launcher.rundir import LATEST
+from phalanx.launcher.rundir import LATEST, RunDir
 from phalanx.runtime.tiers.disk import STEP_RE, DiskTier, rank_file_names
 
 if TYPE_CHECKING:                # torch and boto3 load only when a command needs them
@@ -45,7 +45,8 @@ def add_ckpt_parser(subparsers: Any) -> None:
     where.add_argument("--job", help="job name (default: job.name, or the only job under --path)")
     secret = argparse.ArgumentParser(add_help=False)
     secret.add_argument("--secret-file", help="job secret to check manifest HMACs (default: "
-                        "security.secret_file; none skips the HMAC check)")
+                        "security.secret_file, or the run's own secret for a run's "
+                        "config.yaml; none skips the HMAC check)")
     ckpt = subparsers.add_parser("ckpt", help="list, verify and export tier checkpoints")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="{ls,verify,export}")
     ls = sub.add_parser("ls", parents=[where], help="list the steps of each tier")
@@ -76,7 +77,7 @@ def run_ckpt(args: argparse.Namespace, console: Console, out: TextIO | None = No
         accesses = resolve_accesses(args, cfg)
         if args.ckpt_command == "ls":
             return _ls(accesses, console, out, args.json)
-        secret = read_secret(args.secret_file, cfg)
+        secret = read_secret(args.secret_file, cfg, args.config)
         access = _one(accesses, args.ckpt_command)
         if args.ckpt_command == "verify":
             return _verify(access, args.step, secret, console, out, args.json)
@@ -219,8 +220,9 @@ def load_ckpt_config(args: argparse.Namespace) -> PhalanxConfig | None:
         raise usage_error("--set", "overrides need a config", "pass --config CONFIG with --set")
     if not args.config:
         return None
-    from phalanx.configs.loader import load_config
-    return load_config(args.config, args.overrides)
+    from phalanx.configs.loader import RETIRED_KEYS, load_config
+    saved = RunDir.of_config(args.config) is not None   # written by an older phalanx, maybe
+    return load_config(args.config, args.overrides, drop=RETIRED_KEYS if saved else ())
 
 
 def resolve_accesses(args: argparse.Namespace, cfg: PhalanxConfig | None) -> list[Access]:
@@ -246,6 +248,8 @@ def _disk(args: argparse.Namespace, cfg: PhalanxConfig | None) -> DiskAccess:
                          "folder holding <job>/step_*/)")
     elif cfg is not None and cfg.tiers.disk.path:
         root = Path(cfg.tiers.disk.path)
+    elif args.config and (run := RunDir.of_config(args.config)) is not None:
+        root = run.path / "checkpoints"     # a run's saved config from before paths were kept
     else:
         root = _latest_checkpoints(cfg.job.run_dir if cfg else ".phalanx/runs")
     job = args.job or (cfg.job.name if cfg is not None else None)
@@ -268,8 +272,10 @@ def _latest_checkpoints(run_root: str) -> Path:
     """``<newest run>/checkpoints``: the disk tier of a run when tiers.disk.path is empty."""
     latest = Path(run_root) / LATEST
     if not latest.is_file():
-        raise usage_error("tiers.disk.path", f"is empty and no run was found under {run_root!r}",
-                     "set tiers.disk.path, pass --path DIR, or launch a job first")
+        where = "" if Path(run_root).is_absolute() else f" (in {Path.cwd()})"
+        raise usage_error("tiers.disk.path", f"is empty and no run was found under "
+                          f"{run_root!r}{where}", "pass --config <run dir>/config.yaml or "
+                          "--path DIR, set tiers.disk.path, or run this where you launched from")
     return Path(latest.read_text().strip()) / "checkpoints"
 
 
@@ -295,12 +301,17 @@ def _one(accesses: list[Access], command: str) -> Access:
     return accesses[0]
 
 
-def read_secret(path: str | None, cfg: PhalanxConfig | None) -> bytes | None:
+def read_secret(path: str | None, cfg: PhalanxConfig | None,
+                config_file: str | None = None) -> bytes | None:
     """The job secret from ``path`` (--secret-file), else the config's
-    security.secret_file; None when neither names one. Raises ConfigError."""
+    security.secret_file, else, for a run's saved config (``config_file``), the secret that
+    run generated; None when none is found. Raises ConfigError."""
     key = "--secret-file"
     if not path and cfg is not None:
         path, key = cfg.security.secret_file, "security.secret_file"
+    run = RunDir.of_config(config_file) if config_file and not path else None
+    if run is not None and (run.path / "secret").is_file():
+        path, key = str(run.path / "secret"), "the run's secret"
     if not path:
         return None
     try:

@@ -147,7 +147,9 @@ class DiskAccess:
             jobs = job_folders(job_dir.parent)
             raise usage_error("--job", f"tier disk has no job folder {job_dir}",
                          f"jobs under {job_dir.parent}: {', '.join(jobs)}" if jobs else
-                         "check --path/tiers.disk.path: it should hold <job>/step_*/")
+                         "no step was persisted there yet (a run writes its disk tier every "
+                         "tiers.disk.every_steps steps), or check --path/tiers.disk.path: it "
+                         "should hold <job>/step_*/")
         found: list[StoredObject] = []
         try:
             for step_dir in job_dir.iterdir():

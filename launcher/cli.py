@@ -8,11 +8,13 @@ import traceback
 from typing import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
 from phalanx import __version__
 from phalanx.configs.errors import ConfigError, PhalanxError, WorkerFailed
 from phalanx.launcher.ckpt_commands import add_ckpt_parser, run_ckpt
 from phalanx.launcher.drills.commands import add_drill_parser
+from phalanx.runtime.logs import FORMATS, logging_configured
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 
@@ -22,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "for PyTorch with elastic recovery.")
     parser.add_argument("--version", action="version", version=f"phalanx {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log events to stderr")
+    parser.add_argument("--log-format", choices=FORMATS, default=FORMATS[0],
+                        help="log lines as logfmt key=value (default) or JSON, in the launcher, "
+                        "keepers and workers (rank logs)")
     sub = parser.add_subparsers(dest="command", required=True)
     launch = sub.add_parser("launch", help="run a training job from a YAML config")
     launch.add_argument("config", help="YAML config file (e.g. configs/demo.yaml)")
@@ -31,8 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stand by for a job another launcher leads and take it over when "
                         "that launcher stops (needs coordinator.standby: true)")
     status = sub.add_parser("status", help="show members, snapshots and the commit point of a "
-                            "running job")
+                            "running job, or the summary of a finished one")
     status.add_argument("run_dir", nargs="?", help="run directory (default: the newest run)")
+    status.add_argument("--json", action="store_true", help="print one JSON document (job, "
+                        "state, generation, phase, ranks, copies held, events, goodput) to "
+                        "stdout")
     add_drill_parser(sub)
     add_ckpt_parser(sub)
     return parser
@@ -40,9 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(message)s")
-    console = Console(stderr=True)
+    # the process's logging as it was once main returns (main also runs in-process: tests)
+    with logging_configured(args.log_format, logging.INFO if args.verbose else logging.WARNING):
+        return _command(args, Console(stderr=True))
+
+
+def _command(args: argparse.Namespace, console: Console) -> int:
+    """Run the parsed command; every error becomes a message and an exit code."""
     try:
         if args.command == "launch":
             return _launch(args, console)
@@ -55,16 +67,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             from phalanx.launcher.rundir import RunDir
             from phalanx.launcher.status import show_status
-            return show_status(RunDir.find(args.run_dir), console)
-    except ConfigError as exc:
-        console.print(f"[red]config error:[/red] {exc}", highlight=False)
+            return show_status(RunDir.find(args.run_dir), console, as_json=args.json)
+    except ConfigError as exc:     # user text ([a, b], paths) is escaped: never read as markup
+        console.print(f"[red]config error:[/red] {escape(str(exc))}", highlight=False)
         return EXIT_USAGE
     except WorkerFailed as exc:
-        console.print(f"[red]job failed:[/red] rank {exc.rank}: {exc.message}", highlight=False)
+        console.print(f"[red]job failed:[/red] rank {exc.rank}: {escape(exc.message)}",
+                      highlight=False)
         console.print(exc.traceback_text, highlight=False, markup=False)
         return EXIT_FAILED
     except PhalanxError as exc:
-        console.print(f"[red]job failed:[/red] {type(exc).__name__}: {exc}", highlight=False)
+        console.print(f"[red]job failed:[/red] {type(exc).__name__}: {escape(str(exc))}",
+                      highlight=False)
         return EXIT_FAILED
     except KeyboardInterrupt:
         console.print("phalanx: interrupted; everything started was stopped")
@@ -78,8 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
     from phalanx.configs.loader import load_config
-    from phalanx.launcher.job import JobRunner  # imports Ray and torch: only when launching
+    from phalanx.launcher.preflight import check_before_start
 
     cfg = load_config(args.config, args.overrides)
     if cfg.drills.scenario:     # a scenario's own config overrides; the command line wins
@@ -87,6 +103,9 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
 
         scenario = load_scenario(cfg.drills.scenario)
         cfg = load_config(args.config, [*scenario.override_args(), *args.overrides])
+    check_before_start(cfg, Path.cwd(), args.config, args.overrides)   # before Ray and etcd
+    from phalanx.launcher.job import JobRunner  # imports Ray and torch: only when launching
+
     result = JobRunner(cfg, console, standby=args.standby).run()
     hashes = {rank: (value.get("result") or {}).get("hash") for rank, value in result.results.items()
               if isinstance(value, dict)}
@@ -104,6 +123,10 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
                 if info.get(key))
             for rank, info in sorted(held.items()))
         print(f"keeper {node}: {summary}")
+    if result.summary.get("goodput"):
+        from phalanx.launcher.goodput import summary_line
+
+        print(summary_line(result.summary["goodput"]))
     print(f"run directory: {result.run_dir}")
     return EXIT_OK
 

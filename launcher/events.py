@@ -9,10 +9,11 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from phalanx.configs.errors import MembershipUnavailable
 from phalanx.runtime.base import Membership
+from phalanx.runtime.logs import quote
 
 log = logging.getLogger(__name__)
 EVENTS_PREFIX = "events/"
@@ -33,12 +34,18 @@ class EventLog:
         self._lock = threading.Lock()
         self._serial = 0
         self.events: list[dict[str, Any]] = []
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue(ETCD_QUEUE)
         self._writer: threading.Thread | None = None
         if membership is not None:
             self._writer = threading.Thread(target=self._write_etcd, name="phalanx-events",
                                             daemon=True)
             self._writer.start()
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``listener`` with every record once it is written (on the emitting thread,
+        outside the log's lock; it must not block). What it raises is logged and dropped."""
+        self._listeners.append(listener)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append to events.jsonl and put under ``events/`` in etcd."""
@@ -59,12 +66,20 @@ class EventLog:
             self.events.append(record)
             with self._path.open("a", encoding="utf-8") as handle:
                 handle.write(line + "\n")
-        log.info("event=%s %s", event, " ".join(f"{k}={v!r}" for k, v in fields.items()))
+        log.info("event=%s %s", event, " ".join(  # logfmt values: one field each, whole
+            f"{k}={quote(v if isinstance(v, str) else json.dumps(v, default=str))}"
+            for k, v in fields.items()))
         if to_etcd and self._writer is not None:
             try:
                 self._queue.put_nowait((serial, line.encode()))
             except queue.Full:
                 log.warning("event=event_not_in_etcd serial=%d error=queue full", serial)
+        for listener in list(self._listeners):
+            try:
+                listener(record)
+            except Exception:  # a listener's bug (metrics) must not fail the job's events
+                log.exception("event=event_listener_failed listener=%r event=%s", listener,
+                              event)
         return record
 
     def flush(self, timeout_s: float = 5.0) -> None:

@@ -7,26 +7,30 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AbstractSet, Any
+from typing import AbstractSet, Any, Mapping
 
 import ray
 from rich.console import Console
 
 from phalanx.configs.errors import ConfigError, PhalanxError, PlanInfeasible
 from phalanx.configs.schema import PhalanxConfig
-from phalanx.runtime.worker.entrypoint import resolve_path
-from phalanx.runtime.base import Generation, Rank, Step, WorkerId, node_name
+from phalanx.runtime.base import Generation, MemberRecord, Rank, Step, WorkerId, node_name
 from phalanx.runtime.tiers.config import build_tiers
 from phalanx.launcher.coordination.commit_tracker import CommitTracker
 from phalanx.launcher.coordination.coordinator import RankSlot, RecoveryCoordinator
 from phalanx.launcher.drills.seam import JobDrills
 from phalanx.launcher.run_observer import RunObserver
+from phalanx.launcher.run_summary import record_run_end
 from phalanx.launcher.services.etcd_outage import EtcdOutage, outage_grace_s
 from phalanx.launcher.events import EventLog
 from phalanx.launcher.keeper_events import KEEPER_EVENTS_FINAL_WAIT_S, KeeperEvents
+from phalanx.launcher.preflight import check_before_start
+from phalanx.launcher.goodput import goodput_from_events
+from phalanx.launcher.metrics import JobMetrics
 from phalanx.launcher.coordination.keeper_restart import KeeperRestarts, start_keeper_actor
 from phalanx.launcher.coordination.monitor import Monitor, PollResult
 from phalanx.launcher.coordination.node_watch import NodeWatch
@@ -43,6 +47,7 @@ from phalanx.recovery.base import FaultReport, WorldView
 from phalanx.recovery.detection import (ActorDied, CollectiveError, KeeperLeaseExpired, NodeLost,
                                         StallDetector, classify)
 from phalanx.runtime.context import DEFAULT_PLAN_TIMEOUT_S, WorkerContext
+from phalanx.runtime.logs import current_format
 from phalanx.runtime.membership.generation import GENERATION_KEY
 from phalanx.runtime.membership.etcd import client_fields
 from phalanx.runtime.tiers.config import read_job_secret
@@ -65,6 +70,7 @@ class JobResult:
     seconds: float = 0.0
     keepers: dict[str, Any] = field(default_factory=dict)
     recoveries: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)   # summary.json (run_summary)
 
 
 class JobRunner:
@@ -75,7 +81,7 @@ class JobRunner:
                  base_dir: Path | None = None, standby: bool = False) -> None:
         self.cfg = cfg
         self.console = console or Console(stderr=True)
-        self.entrypoint = resolve_path(cfg.job.entrypoint, base_dir or Path.cwd())
+        self.entrypoint = check_before_start(cfg, base_dir or Path.cwd())
         self.secret_hex = ""
         self.keepers: dict[int, tuple[Any, tuple[str, int]]] = {}
         self.standby = standby
@@ -84,6 +90,8 @@ class JobRunner:
         self._publisher: StatePublisher | None = None
         self._signals_at_start: list[ActorDied] = []
         self.drills: JobDrills | None = None         # only when the config turns drills on
+        self.metrics: JobMetrics | None = None       # only with metrics.port
+        self._started_at = time.time()   # the launch on the wall clock (goodput); reset in run
         if standby and not cfg.coordinator.standby:
             raise ConfigError("coordinator.standby", "false, but --standby was given",
                               "set coordinator.standby: true in the job's config (leader and "
@@ -93,12 +101,13 @@ class JobRunner:
         if self.standby:
             return self._take_over()
         started = time.monotonic()
+        self._started_at = time.time()      # the launch, on the wall clock (goodput)
         self._check_memory()
         self.cfg, self.drills = JobDrills.open(self.cfg)
         self._check_tiers()
         run = RunDir.create(self.cfg)
         self.secret_hex = job_secret(self.cfg, run).hex()
-        self.console.print(f"phalanx: run directory {run.path}")
+        self.console.print(f"phalanx: run directory {run.path}", markup=False)
         with contextlib.ExitStack() as stack:
             _install_sigterm(stack)
             if self.drills is not None:
@@ -108,11 +117,14 @@ class JobRunner:
             run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
                            "etcd_prefix": self.cfg.etcd.prefix, "launcher_pid": os.getpid(),
                            "etcd_client": client_fields(self.cfg.etcd),
-                           "world_size": self.cfg.job.world_size})
+                           "world_size": self.cfg.job.world_size,
+                           "started_at": self._started_at,
+                           "launcher_host": socket.gethostname()})
             self._use(services, stack)
             self._start_keepers(services, run, stack)
             events = EventLog(run.path / "events.jsonl", services.membership)
             stack.callback(events.close)     # before the membership closes (LIFO)
+            self._open_metrics(events, stack)
             pool = self._start_spares(stack)
             coordinator = self._coordinator(run, services, events, pool)
             coordinator.fence_initial()
@@ -133,11 +145,13 @@ class JobRunner:
         except (PhalanxError, KeyboardInterrupt) as exc:  # the report names what ended it
             coordinator.events.emit("job_failed", error_type=type(exc).__name__,
                                     message=str(exc)[:2000])
+            record_run_end(run.path, "failed", coordinator, started, error=exc)
             raise
         holdings = self._keeper_holdings(coordinator.live_nodes)
         coordinator.events.emit("finished", recoveries=coordinator.recoveries)
         result = JobResult(run.path, results, time.monotonic() - started, holdings,
-                           coordinator.history)
+                           coordinator.history,
+                           record_run_end(run.path, "finished", coordinator, started, results))
         self.console.print(f"phalanx: job {self.cfg.job.name} finished in {result.seconds:.1f} s")
         return result
 
@@ -152,7 +166,7 @@ class JobRunner:
             self.console.print(f"phalanx: standing by for job {cfg.job.name}")
             services = join_services(cfg, stack, lambda holder: self.console.print(
                 f"phalanx: job {cfg.job.name} is led by pid {holder.get('pid')} on "
-                f"{holder.get('host')}; standing by"))
+                f"{holder.get('host')}; standing by", markup=False))
             started = time.monotonic()
             self._use(services, stack)
             stack.callback(self._release_shared_memory)
@@ -164,6 +178,7 @@ class JobRunner:
                 stack.callback(self._close_keeper, actor)
             events = EventLog(run.path / "events.jsonl", services.membership)
             stack.callback(events.close)
+            self._open_metrics(events, stack)
             pool = self._start_spares(stack, state)
             coordinator = self._coordinator(run, services, events, pool)
             current = services.membership.get(GENERATION_KEY)
@@ -184,13 +199,43 @@ class JobRunner:
                         state_generation=state.generation, run_dir=str(run.path),
                         lost_at_takeover=[s.worker_id for s in self._signals_at_start])
             self.console.print(f"phalanx: took over job {cfg.job.name} at generation "
-                               f"{coordinator.generation} (run directory {run.path})")
+                               f"{coordinator.generation} (run directory {run.path})",
+                               markup=False)
             return self._finish(run, slots, coordinator, started)
 
     def _use(self, services: Services, stack: contextlib.ExitStack) -> None:
         self.services, self._stack = services, stack
         if self.cfg.coordinator.standby:
             self._publisher = StatePublisher(services.membership)
+
+    def _open_metrics(self, events: EventLog, stack: contextlib.ExitStack) -> None:
+        """The Prometheus endpoint (``metrics.port``; 0: none), fed by the job's events and
+        the watch loop (``_observe``)."""
+        cfg = self.cfg
+        if cfg.metrics.port == 0:
+            return
+        tiers = [name for name, tier in (("disk", cfg.tiers.disk), ("s3", cfg.tiers.s3))
+                 if tier.enabled and cfg.snapshot.enabled]
+        self.metrics = JobMetrics(cfg.metrics, cfg.job.world_size, tiers).start()
+        stack.callback(self.metrics.close)
+        events.add_listener(self.metrics.on_event)
+        self.console.print(f"phalanx: metrics at http://{cfg.metrics.host}:"
+                           f"{self.metrics.port}/metrics")
+
+    def _observe(self, members: Mapping[str, MemberRecord], coordinator: RecoveryCoordinator,
+                 commits: CommitTracker) -> None:
+        """Refresh the endpoint's gauges (at most every ``metrics.UPDATE_EVERY_S``)."""
+        metrics = self.metrics
+        if metrics is None or not metrics.due():
+            return
+        metrics.observe_members(members)
+        metrics.observe_job(coordinator.generation, commits.committed, len(coordinator.live_nodes))
+        if metrics.goodput_due():
+            metrics.observe_goodput(goodput_from_events(coordinator.events.events,
+                                                        self._started_at, time.time()))
+        metrics.observe_reports(commits.reports, self.cfg.replication.copies)
+        if coordinator.pool is not None:
+            metrics.observe_spares(*coordinator.pool.readiness())
 
     def _publish_state(self, run: RunDir, slots: dict[int, RankSlot],
                        coordinator: RecoveryCoordinator) -> None:
@@ -300,14 +345,14 @@ class JobRunner:
             overhead_budget=cfg.snapshot.overhead_budget, checksum=cfg.snapshot.checksum,
             secret_hex=self.secret_hex, etcd_client=client_fields(cfg.etcd),
             plan_timeout_s=plan_timeout_s(cfg), drills=cfg.drills.active,
-            extra={"restore": restore} if restore else {})
+            log_format=current_format(), extra={"restore": restore} if restore else {})
 
     def _new_actor(self, node: int, name: str) -> Any:
         cfg = self.cfg
         actor = WorkerActor.options(  # type: ignore[attr-defined]  # @ray.remote adds options
             num_cpus=cfg.job.cpus_per_worker, resources={node_resource(node): 1},
             name=f"{cfg.job.name}-{name}", **self._lifetime).remote(
-                self.entrypoint, cfg.job.torch_threads, cfg.spares.warmup)
+                self.entrypoint, cfg.job.torch_threads, cfg.spares.warmup, current_format())
         self._stack.callback(self._release_actor, actor)
         return actor
 
@@ -398,6 +443,7 @@ class JobRunner:
                 view.update(members)
                 keeper_events.poll(coordinator.live_nodes, time.monotonic())
                 restarts.poll()
+                self._observe(members, coordinator, commits)
                 if time.monotonic() > deadline:
                     raise JobTimeout(f"job {cfg.job.name} ran past job.timeout_s="
                                      f"{cfg.job.timeout_s}")

@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from phalanx.configs.loader import load_config_text
+from phalanx.runtime.logs import DEFAULT_FORMAT, bind_fields, configure_logging
 from phalanx.runtime.node import node_keeper
 from phalanx.runtime.keeper.fence import KeeperFence
 from phalanx.runtime.keeper.reporter import KeeperReporter, keeper_member, report_from_keeper
@@ -31,7 +32,9 @@ class KeeperActor:
     """Called from the launcher's thread through Ray with plain values only."""
 
     def __init__(self, node: str, config_yaml: str, secret_hex: str, etcd_endpoints: list[str],
-                 run_dir: str, local_ranks: list[int]) -> None:
+                 run_dir: str, local_ranks: list[int], log_format: str = DEFAULT_FORMAT) -> None:
+        configure_logging(log_format, logging.INFO)      # the launcher's --log-format
+        bind_fields(node=node)
         cfg = load_config_text(config_yaml, source="keeper config")
         self._node = node
         self._generation = 0

@@ -1,5 +1,6 @@
 """Live job progress for the terminal: per-rank step, steps/s and state, read from the etcd
-member table (rich table when attached to a terminal, a plain line every few seconds when not)."""
+member table (rich table when attached to a terminal, a plain line every few seconds when not).
+A rank below the highest step it reported is redoing steps after a rollback: marked replay."""
 from __future__ import annotations
 
 import time
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from phalanx.runtime.base import MemberRecord
@@ -20,6 +22,11 @@ class RankRow:
     state: str = "starting"
     rate: float = 0.0
     samples: list[tuple[float, int]] = field(default_factory=list)
+    highest: int = -1            # the furthest step reported: below it, steps are replays
+
+    @property
+    def replaying(self) -> bool:
+        return 0 <= self.step < self.highest
 
 
 class ProgressView:
@@ -52,6 +59,7 @@ class ProgressView:
             row.state = str(record.extra.get("state", "running"))
             if record.step != row.step:
                 row.step = record.step
+                row.highest = max(row.highest, record.step)
                 row.samples = [s for s in row.samples if now - s[0] < 5.0] + [(now, record.step)]
                 first = row.samples[0]
                 row.rate = (record.step - first[1]) / (now - first[0]) if now > first[0] else 0.0
@@ -59,7 +67,7 @@ class ProgressView:
             self._live.update(self._table())
         elif now - self._last_plain >= self._plain_every_s:
             self._last_plain = now
-            self._console.print(self._plain_line(now))
+            self._console.print(self._plain_line(now), markup=False, highlight=False)
 
     def mark(self, rank: int, state: str) -> None:
         if rank in self._rows:
@@ -74,9 +82,11 @@ class ProgressView:
     def _plain_line(self, now: float) -> str:
         steps = [row.step for row in self._rows.values()]
         total = f"/{self._total}" if self._total else ""
+        replays = [str(rank) for rank, row in sorted(self._rows.items()) if row.replaying]
         return (f"[{now - self._started:6.1f}s] steps {min(steps)}..{max(steps)}{total} "
                 f"rate {sum(r.rate for r in self._rows.values()) / max(1, len(self._rows)):.1f}"
-                f" steps/s  states " + ",".join(sorted({r.state for r in self._rows.values()})))
+                f" steps/s  states " + ",".join(sorted({r.state for r in self._rows.values()}))
+                + (f"  replay=true ranks={','.join(replays)}" if replays else ""))
 
     def _table(self) -> Table:
         title = f"phalanx: {len(self._rows)} ranks"
@@ -87,6 +97,7 @@ class ProgressView:
             table.add_column(column)
         for rank, row in sorted(self._rows.items()):
             total = f"/{self._total}" if self._total else ""
-            table.add_row(str(rank), row.node, f"{max(row.step, 0)}{total}", f"{row.rate:.1f}",
-                          row.state)
+            table.add_row(str(rank), escape(row.node), f"{max(row.step, 0)}{total}",
+                          f"{row.rate:.1f}", escape(row.state) + (
+                              f" (replay to {row.highest})" if row.replaying else ""))
         return table

@@ -1,92 +1,172 @@
-"""``phalanx status``: the live state of a running job read from etcd: members (rank,
-worker, node, step), and per rank what the keepers hold (last local and replicated step,
-holders), the committed step, the bytes each keeper holds, and the newest events (faults,
-recoveries, tier alerts such as ``tier_degraded``)."""
+"""``phalanx status``: one document describing a run, live or ended. A running job's comes
+from its etcd (members with rank, worker, node, step and heartbeat age; generation; the
+coordinator's phase; the committed step; what each keeper holds; the newest events, tier
+alerts such as ``tier_degraded`` included) and its goodput so far from ``events.jsonl``; a
+finished or failed run's from its ``summary.json``; a run whose launcher died without one
+(its etcd does not answer) from what ``events.jsonl`` still tells. ``--json`` prints the
+document; the default view renders it (``phalanx.launcher.status_view``)."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from rich.console import Console
-from rich.table import Table
 
 from phalanx.configs.errors import MembershipUnavailable
-from phalanx.launcher.coordination.commit_tracker import read_reports
 from phalanx.launcher.events import EVENTS_PREFIX
+from phalanx.launcher.goodput import goodput_from_events
+from phalanx.launcher.run_summary import read_run_events, read_summary, reconstruct
 from phalanx.launcher.rundir import RunDir
+from phalanx.launcher.status_view import render_status
+from phalanx.runtime.base import MemberRecord
 from phalanx.runtime.commit import COMMIT_KEY, KeeperReport, committed_from
+from phalanx.runtime.keeper.reporter import KEEPERS
 from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
 
+STATES = ("running", "finished", "failed", "unreachable")
 EVENTS_SHOWN = 10
+EXIT_OK, EXIT_NOT_RUNNING = 0, 3
+Event = Mapping[str, Any]
 
 
-def show_status(run: RunDir, console: Console, timeout_s: float = 3.0) -> int:
-    """Print the tables; returns 0, or 3 when the job's etcd does not answer."""
+def show_status(run: RunDir, console: Console, timeout_s: float = 3.0,
+                as_json: bool = False) -> int:
+    """Print the document (``as_json``: to stdout) or its view (to ``console``). Returns 0
+    for a running, finished or failed run, 3 when the run is unreachable: no summary.json
+    and its etcd does not answer (its launcher was killed, or etcd is down)."""
+    doc = status_document(run, timeout_s)
+    if as_json:
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        render_status(doc, console)
+    return EXIT_NOT_RUNNING if doc["state"] == "unreachable" else EXIT_OK
+
+
+def status_document(run: RunDir, timeout_s: float = 3.0) -> dict[str, Any]:
+    """The run's document: live from etcd, else from the run directory (never raises for
+    an unreachable etcd)."""
     info = run.read_job()
-    try:
-        membership = EtcdMembership(list(info["etcd_endpoints"]),
-                                    job_prefix(info["etcd_prefix"], info["job"]),
-                                    timeout_s=timeout_s,
-                                    **client_options(**info.get("etcd_client", {}))).connect()
-    except MembershipUnavailable as exc:
-        console.print(f"job {info['job']} is not running (etcd {info['etcd_endpoints']} "
-                      f"does not answer: {exc}); run directory {run.path}")
-        return 3
+    summary = read_summary(run.path)
+    if summary is None:
+        try:
+            live = _read_live(info, timeout_s)
+        except MembershipUnavailable:
+            live = None
+        if live is not None:
+            events = read_run_events(run.path)
+            now = time.time()
+            goodput = goodput_from_events(events, _started_at(info, run.path, events), now)
+            members, generation, committed, reports, etcd_events = live
+            return live_document(info, run.path, members, generation, committed, reports,
+                                 etcd_events, events, goodput.to_json(), now)
+        summary = read_summary(run.path)    # the job may have ended while we asked
+    if summary is not None:
+        return ended_document(info, run.path, summary, read_run_events(run.path))
+    outcome = "unknown" if _launcher_alive(info) else "dead"
+    return ended_document(info, run.path, reconstruct(run.path, outcome),
+                          read_run_events(run.path), state="unreachable")
+
+
+def live_document(info: Mapping[str, Any], run_dir: Path, members: Mapping[str, MemberRecord],
+                  generation: int, committed: int, reports: Mapping[str, KeeperReport],
+                  etcd_events: Sequence[Event], events: Sequence[Event],
+                  goodput: Mapping[str, Any], now: float) -> dict[str, Any]:
+    """Pure: the document of a running job (``events``: the run's whole log, for the phase
+    when etcd's bounded copy holds no phase change)."""
+    ranks = [{"rank": r.rank, "worker": r.worker_id, "node": r.node, "step": r.step,
+              "generation": r.generation, "state": str(r.extra.get("state", "running")),
+              "heartbeat_age_s": round(max(0.0, now - _float(r.extra.get("time"), now)), 3),
+              "pid": r.pid}
+             for r in sorted(members.values(), key=lambda r: (r.rank, r.worker_id))
+             if r.rank >= 0]
+    keepers = [{"node": node, "bytes_held": report.bytes_held, "generation": report.generation,
+                "local": {str(rank): max(steps) for rank, steps in sorted(report.local.items())
+                          if steps},
+                "replicas": {str(rank): max(steps) for rank, steps
+                             in sorted(report.replicas.items()) if steps}}
+               for node, report in sorted(reports.items())]
+    recent = list(etcd_events)[-EVENTS_SHOWN:] or list(events)[-EVENTS_SHOWN:]
+    return {"job": str(info.get("job", "")), "run_dir": str(run_dir), "state": "running",
+            "generation": generation, "phase": _phase(etcd_events) or _phase(events) or "steady",
+            "committed_step": committed, "world_size": int(info.get("world_size", 0)),
+            "ranks": ranks, "keepers": keepers, "events": recent, "goodput": dict(goodput),
+            "summary": None}
+
+
+def ended_document(info: Mapping[str, Any], run_dir: Path, summary: Mapping[str, Any],
+                   events: Sequence[Event], state: str | None = None) -> dict[str, Any]:
+    """Pure: the document of a run that ended (``summary``: its summary.json or the
+    reconstructed one); no ranks or keepers: they are gone."""
+    if state is None:
+        state = "finished" if summary.get("outcome") == "finished" else "failed"
+    return {"job": str(summary.get("job") or info.get("job", "")), "run_dir": str(run_dir),
+            "state": state, "generation": int(summary.get("generation") or 0),
+            "phase": _phase(events) or "steady",
+            "committed_step": int(summary.get("committed_step", -1)),
+            "world_size": int(summary.get("world_size") or info.get("world_size", 0)),
+            "ranks": [], "keepers": [], "events": list(events)[-EVENTS_SHOWN:],
+            "goodput": summary.get("goodput"), "summary": dict(summary),
+            "etcd_endpoints": list(info.get("etcd_endpoints", [])),
+            "launcher_pid": info.get("launcher_pid")}
+
+
+def _read_live(info: Mapping[str, Any], timeout_s: float
+               ) -> tuple[dict[str, MemberRecord], int, int, dict[str, KeeperReport], list[Any]]:
+    """(members, generation, committed step, keeper reports, etcd's events) from the job's
+    etcd; raises ``MembershipUnavailable`` when it does not answer."""
+    membership = EtcdMembership(list(info["etcd_endpoints"]),
+                                job_prefix(info["etcd_prefix"], info["job"]),
+                                timeout_s=timeout_s,
+                                **client_options(**info.get("etcd_client", {}))).connect()
     try:
         members = membership.members()
         generation = membership.get("generation")
         commit = membership.get(COMMIT_KEY)
-        reports = read_reports(membership)
+        # (not commit_tracker.read_reports: that module imports torch, seconds for a status)
+        reports = {kv.key.removeprefix(KEEPERS): KeeperReport.from_json(kv.value)
+                   for kv in membership.list_prefix(KEEPERS)}
         events = [json.loads(kv.value) for kv in membership.list_prefix(EVENTS_PREFIX)]
     finally:
         membership.close()
-    committed = committed_from(commit.value if commit else None)
-    console.print(f"job {info['job']}  generation {int(generation.value) if generation else 0}"
-                  f"  committed step {committed}  run {run.path.name}")
-    console.print(_members_table(members))
-    console.print(_ranks_table(reports, info.get("world_size", 0), committed))
-    if events:
-        console.print(_events_table(events[-EVENTS_SHOWN:]))
-    return 0
+    return (members, int(generation.value) if generation else 0,
+            committed_from(commit.value if commit else None), reports, events)
 
 
-def _members_table(members: dict) -> Table:
-    table = Table(title="members")
-    for column in ("rank", "worker", "node", "step", "generation", "state", "pid", "age s"):
-        table.add_column(column)
-    now = time.time()
-    for record in sorted(members.values(), key=lambda r: (r.rank, r.worker_id)):
-        age = now - float(record.extra.get("time", now))
-        table.add_row("keeper" if record.rank < 0 else str(record.rank), record.worker_id,
-                      record.node, str(record.step), str(record.generation),
-                      str(record.extra.get("state", record.extra.get("role", "?"))),
-                      str(record.pid), f"{age:.1f}")
-    return table
+def _started_at(info: Mapping[str, Any], run_dir: Path, events: Sequence[Event]) -> float:
+    """When the launch began: job.json's ``started_at``, else config.yaml's mtime."""
+    if isinstance(info.get("started_at"), (int, float)):
+        return float(info["started_at"])
+    try:
+        return (run_dir / "config.yaml").stat().st_mtime
+    except OSError:
+        return min((_float(e.get("time"), time.time()) for e in events), default=time.time())
 
 
-def _ranks_table(reports: dict[str, KeeperReport], world_size: int, committed: int) -> Table:
-    table = Table(title=f"snapshots (committed step {committed})")
-    for column in ("rank", "last local step", "last replicated step", "holders"):
-        table.add_column(column)
-    for rank in range(world_size):
-        local = [max(r.local[rank]) for r in reports.values() if r.local.get(rank)]
-        replicated = [max(r.replicas[rank]) for r in reports.values() if r.replicas.get(rank)]
-        holders = sorted(n for n, r in reports.items() if r.replicas.get(rank))
-        table.add_row(str(rank), str(max(local, default=-1)), str(max(replicated, default=-1)),
-                      ",".join(holders) or "-")
-    for node, report in sorted(reports.items()):
-        table.add_row(f"keeper {node}", "", "", f"{report.bytes_held / 2**20:.1f} MiB held")
-    return table
+def _phase(events: Sequence[Event]) -> str | None:
+    """The coordinator's phase after the newest ``phase`` event, if any."""
+    return next((str(e.get("to")) for e in reversed(events) if e.get("event") == "phase"),
+                None)
 
 
-def _events_table(events: list[dict]) -> Table:
-    """The newest events, oldest first (the whole log is ``events.jsonl`` in the run dir)."""
-    table = Table(title=f"recent events (newest {len(events)})")
-    for column in ("time", "event", "details"):
-        table.add_column(column)
-    for event in events:
-        details = " ".join(f"{k}={v}" for k, v in sorted(event.items())
-                           if k not in ("time", "event"))
-        table.add_row(time.strftime("%H:%M:%S", time.localtime(float(event.get("time", 0)))),
-                      str(event.get("event", "?")), details)
-    return table
+def _launcher_alive(info: Mapping[str, Any]) -> bool:
+    """Whether job.json's launcher process still runs (True when it cannot be told: it
+    ran on another host, or job.json names none)."""
+    pid = info.get("launcher_pid")
+    host = info.get("launcher_host")
+    if not isinstance(pid, int) or (host and host != socket.gethostname()):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _float(value: Any, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) else default

@@ -50,12 +50,10 @@ NO_STEP = Step(-1)
 @dataclass(frozen=True)
 class RecoveryPolicy:
     """What the planner may do, from ``spares`` and ``recovery`` config plus the run's count
-    of recoveries so far. ``can_shrink`` is carried for the coordinator; this planner never
-    shrinks (the plan union has no shrink action)."""
+    of recoveries so far. A job never shrinks: the plan union has no shrink action."""
 
     on_exhausted: Literal["restart", "wait", "fail"] = "restart"
     wait_timeout_s: float = 60.0
-    can_shrink: bool = False
     max_recoveries: int = 20
     recoveries_so_far: int = 0
     enabled: bool = True
@@ -70,7 +68,7 @@ class RecoveryPolicy:
     def from_config(cls, spares: SparesConfig, recovery: RecoveryConfig,
                     recoveries_so_far: int = 0) -> RecoveryPolicy:
         return cls(on_exhausted=spares.on_exhausted, wait_timeout_s=spares.wait_timeout_s,
-                   can_shrink=recovery.can_shrink, max_recoveries=recovery.max_recoveries,
+                   max_recoveries=recovery.max_recoveries,
                    recoveries_so_far=recoveries_so_far, enabled=recovery.enabled)
 
 

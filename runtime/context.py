@@ -44,6 +44,7 @@ class WorkerContext:
     etcd_client: dict[str, str] = field(default_factory=dict)
     plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S   # how long a survivor waits for a plan
     drills: bool = False               # install the drill hooks (``runtime.worker.drill_hooks``)
+    log_format: str = "logfmt"         # the launcher's --log-format (``runtime.logs``)
     extra: dict[str, object] = field(default_factory=dict)
 
     @property

@@ -6,12 +6,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 from typing import Any
 
 import ray
 
 from phalanx.configs.errors import WorkerFailed
+from phalanx.runtime.context import WorkerContext
+from phalanx.runtime.logs import DEFAULT_FORMAT, bind_fields, configure_logging
 from phalanx.runtime.worker.entrypoint import load_entrypoint
 
 log = logging.getLogger(__name__)
@@ -24,7 +27,9 @@ class WorkerActor:
     Called from the launcher's thread through Ray; only plain values cross that boundary.
     """
 
-    def __init__(self, entrypoint: str, torch_threads: int, warmup: str = "") -> None:
+    def __init__(self, entrypoint: str, torch_threads: int, warmup: str = "",
+                 log_format: str = DEFAULT_FORMAT) -> None:
+        configure_logging(log_format, logging.INFO)   # the launcher's format, from the start
         os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         import torch  # warm-up: the import is most of a fresh worker's start-up time
 
@@ -48,8 +53,9 @@ class WorkerActor:
         self._rank = int(env["RANK"])
         os.environ.update(env)
         _redirect_output(log_path)
-        logging.basicConfig(level=logging.INFO, force=True,
-                            format="%(asctime)s %(name)s %(message)s")
+        ctx = WorkerContext.from_env(env)
+        configure_logging(ctx.log_format, logging.INFO)     # into the rank's log file
+        bind_fields(rank=ctx.rank, generation=ctx.generation)   # the Session keeps it live
         log.info("event=worker_run rank=%d pid=%d", self._rank, os.getpid())
         try:
             result = self._entry(**args)
@@ -62,7 +68,9 @@ class WorkerActor:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-        self._outcome = {"rank": self._rank, "pid": os.getpid(), "result": result}
+        # finished_at (wall clock): when training ended, for the launcher's goodput
+        self._outcome = {"rank": self._rank, "pid": os.getpid(), "result": result,
+                         "finished_at": time.time()}
         return self._outcome
 
     def result(self) -> dict[str, Any] | None:

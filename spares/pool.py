@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import ray
 
+from phalanx.runtime.logs import current_format
 from phalanx.spares.actor import WorkerActor
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class SparePool:
         actor = WorkerActor.options(  # type: ignore[attr-defined]  # @ray.remote adds options
             num_cpus=self._cpus, num_gpus=self._gpus,
             resources={self._node_resource(node): 1, **self._custom}, name=name,
-            **self._lifetime).remote(self._entrypoint, self._threads, self._warmup)
+            **self._lifetime).remote(self._entrypoint, self._threads, self._warmup,
+                                     current_format())   # the launcher's --log-format
         spare = Spare(spare_id, node, actor, actor.ping.remote(), name)
         self._spares[spare_id] = spare
         log.info("event=spare_started spare=%s node=%d", spare_id, node)
@@ -109,6 +111,16 @@ class SparePool:
                 warm.discard(refs[ref])
                 self._spares.pop(refs[ref], None)
         return {spare_id: node for spare_id, node in ready.items() if spare_id in warm}
+
+    def readiness(self) -> tuple[int, int]:
+        """(warm, starting): spares whose warm-up has returned and those still warming up.
+        Non-blocking and without side effects (the metrics ask at every refresh); a spare
+        whose warm-up failed counts as warm until ``inventory`` or ``check`` drops it."""
+        refs = [spare.ready for spare in self._spares.values()]
+        if not refs:
+            return 0, 0
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(done), len(refs) - len(done)
 
     def check(self, live_nodes: set[int], now: float | None = None) -> list[str]:
         """Find warm spares that died while idle (a health ping every ``HEALTH_EVERY_S``

@@ -36,6 +36,7 @@ class CommitTracker:
         self._written = -1
         self._written_at = 0.0
         self.committed = -1
+        self.reports: dict[str, KeeperReport] = {}   # the keepers' reports last read
 
     def poll(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
@@ -43,7 +44,8 @@ class CommitTracker:
             return self.committed
         self._last_read = now
         try:
-            step = committed_step(read_reports(self._membership), self._ranks, self._factor)
+            self.reports = read_reports(self._membership)
+            step = committed_step(self.reports, self._ranks, self._factor)
             # never past a step the ranks' replica digests have not all agreed on
             step = gate(step, verified_ceiling(
                 r.extra for r in self._membership.members().values() if r.rank >= 0))

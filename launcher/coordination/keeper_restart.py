@@ -23,6 +23,7 @@ from phalanx.launcher.coordination.node_watch import NodeWatch, refuses
 from phalanx.launcher.services.ray_cluster import node_resource, raylet_addresses
 from phalanx.launcher.coordination.takeover import keeper_actor_name
 from phalanx.runtime.keeper.shm import remove_stale, shm_prefix
+from phalanx.runtime.logs import current_format
 
 log = logging.getLogger(__name__)
 PROBE_EVERY_S = 0.5        # how often each keeper actor is asked whether it lives ...
@@ -33,12 +34,14 @@ MAX_ATTEMPTS = 3           # starts tried per lost keeper before the job is told
 
 def start_keeper_actor(cfg: PhalanxConfig, node: int, secret_hex: str,
                        etcd_endpoints: list[str], run_dir: str, local_ranks: list[int]) -> Any:
-    """A keeper actor pinned to ``node`` under the job's keeper name (as at launch)."""
+    """A keeper actor pinned to ``node`` under the job's keeper name (as at launch), logging
+    in this launcher's format."""
     lifetime = {"lifetime": "detached"} if cfg.coordinator.standby else {}
     return KeeperActor.options(  # type: ignore[attr-defined]  # @ray.remote adds options
         resources={node_resource(node): 1},
         name=keeper_actor_name(cfg.job.name, node), **lifetime).remote(
-        node_name(node), dump_config(cfg), secret_hex, etcd_endpoints, run_dir, local_ranks)
+        node_name(node), dump_config(cfg), secret_hex, etcd_endpoints, run_dir, local_ranks,
+        current_format())
 
 
 @dataclass

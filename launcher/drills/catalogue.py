@@ -86,9 +86,10 @@ Fire = Callable[[FaultSpec, FaultEnv], Mapping[str, Any]]
 class Mechanism:
     """A fault kind. ``fire`` injects it and returns what it did (pids, files, bytes) for
     the report. ``params``: name -> (type, default; ``None`` = required). ``recovers``:
-    what phalanx does about it ("replace" a rank, "rollback" every rank, "none" needed
-    (the run only slows or a copy is repaired), "fail" = ends the job cleanly); the chaos
-    campaign draws only recoverable kinds (``chaos``)."""
+    whether a recovery follows ("replace" a rank, "rollback" every rank, "none" needed
+    (the run only slows or a copy is repaired), "fail" = ends the job cleanly), what the
+    report checks; ``response``: what phalanx does about it, in words (``drill list``);
+    the chaos campaign draws only recoverable kinds (``chaos``)."""
 
     kind: str
     family: str
@@ -102,6 +103,7 @@ class Mechanism:
     chaos: bool = False
     needs: tuple[str, ...] = ()            # services the job must run: "s3", "standby"
     ends_launcher: bool = False            # fire() never returns (the event goes first)
+    response: str = ""                     # what phalanx does about it (``drill list``)
 
 
 REGISTRY: dict[str, Mechanism] = {}

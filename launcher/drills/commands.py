@@ -17,18 +17,25 @@ from typing import Any, Sequence
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
-from phalanx.configs.errors import ConfigError
+from phalanx.configs.errors import ConfigError, MembershipUnavailable
 from phalanx.configs.loader import load_config
 from phalanx.launcher.drills.chaos import chaos_scenario
-from phalanx.launcher.drills.report import RunOutcome, build_report, console_rows, write_report
+from phalanx.launcher.drills.report import (RunOutcome, build_report, console_rows, goodput_text,
+                                            write_report)
+from phalanx.launcher.run_summary import read_summary
 from phalanx.launcher.drills.scenario import Scenario, load_scenario, parse_fault, parse_scenario
 from phalanx.launcher.events import read_events
+from phalanx.runtime.logs import current_format
 
 HASH_RE = re.compile(r"^rank (\d+) final parameter hash ([0-9a-f]{64})$", re.M)
 RUN_RE = re.compile(r"^run directory: (.+)$", re.M)
 REFERENCES = "references"      # under job.run_dir: cached fault-free hashes by config hash
+DEFAULT_CONFIG = "configs/demo.yaml"    # a file of a source checkout, relative to the cwd
 
 
 def add_drill_parser(sub: Any) -> None:
@@ -64,12 +71,15 @@ def add_drill_parser(sub: Any) -> None:
 
 
 def _job_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default="configs/demo.yaml", help="job config to drill")
+    parser.add_argument("--config", help=f"job config to drill (default: {DEFAULT_CONFIG}, "
+                        "in a source checkout)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config key (repeatable)")
 
 
 def run_drill_command(args: argparse.Namespace, console: Console) -> int:
+    if args.drill_command in ("run", "chaos"):
+        args.config = job_config(args.config, f"phalanx drill {args.drill_command}")
     if args.drill_command == "run":
         return run_scenario(args.config, args.overrides, args.scenario, console,
                             verify=args.verify, fresh_reference=args.fresh_reference)
@@ -78,6 +88,19 @@ def run_drill_command(args: argparse.Namespace, console: Console) -> int:
     if args.drill_command == "chaos":
         return run_chaos(args, console)
     return list_faults(console)
+
+
+def job_config(given: str | None, command: str) -> str:
+    """The job config a drill runs: ``--config``, else ``configs/demo.yaml`` when the
+    current directory is a phalanx source checkout. Raises ConfigError otherwise."""
+    if given:
+        return given
+    if Path(DEFAULT_CONFIG).is_file():
+        return DEFAULT_CONFIG
+    raise ConfigError("--config", f"not given, and the default {DEFAULT_CONFIG} (a file of a "
+                      f"phalanx source checkout) is not in {Path.cwd()}",
+                      "pass the job to drill: --config path/to/job.yaml (a job config like "
+                      "the repository's configs/demo.yaml), or run from a checkout", command)
 
 
 def run_scenario(config: str, overrides: Sequence[str], scenario_path: str, console: Console,
@@ -89,7 +112,7 @@ def run_scenario(config: str, overrides: Sequence[str], scenario_path: str, cons
     with DrillServices(scenario, console) as services:
         overrides += services.overrides
         load_config(config, overrides)           # bad input fails before any run
-        console.print(f"drill {scenario.name}: {scenario.description}")
+        console.print(f"drill {scenario.name}: {scenario.description}", markup=False)
         reference, source = (reference_hashes(config, overrides, console, fresh_reference)
                              if verify else (None, "none (run with --verify)"))
         console.print(f"drilled run: {len(scenario.faults)} fault(s) injected")
@@ -100,24 +123,26 @@ def run_scenario(config: str, overrides: Sequence[str], scenario_path: str, cons
     if failed is not None:
         drilled = RunOutcome(drilled.returncode, drilled.hashes, drilled.run_dir,
                              f"{failed['error_type']}: {failed['message']}", drilled.seconds)
-    report = build_report(scenario, drilled, reference, source, events)
+    report = build_report(scenario, drilled, reference, source, events,
+                          read_summary(drilled.run_dir) if drilled.run_dir else None)
     _print_report(report, console)
     if drilled.run_dir is not None:
         for path in write_report(report, drilled.run_dir):
-            console.print(f"report: {path}", soft_wrap=True, highlight=False)
+            console.print(f"report: {path}", soft_wrap=True, highlight=False, markup=False)
     console.print("drill PASSED" if report["passed"] else "drill FAILED")
     return 0 if report["passed"] else 1
 
 
 def _print_report(report: dict[str, Any], console: Console) -> None:
     for fault in report["faults"]:
-        console.print(_fault_line(fault), highlight=False)
+        console.print(_fault_line(fault), highlight=False, markup=False)
     table = Table(title=f"drill {report['scenario']['name']}")
     for column in ("check", "expected", "measured", "result"):
         table.add_column(column)
     for row in console_rows(report):
-        table.add_row(*row)
+        table.add_row(*(escape(str(cell)) for cell in row))
     console.print(table)
+    console.print(goodput_text(report), highlight=False, markup=False)
 
 
 def _fault_line(fault: dict[str, Any]) -> str:
@@ -134,10 +159,17 @@ def _fault_line(fault: dict[str, Any]) -> str:
     return text
 
 
-def launch(config: str, overrides: Sequence[str]) -> RunOutcome:
-    cmd = [sys.executable, "-m", "phalanx.launcher.cli", "launch", config]
+def launch_command(config: str, overrides: Sequence[str]) -> list[str]:
+    """``phalanx launch`` of ``config`` with ``overrides``, in this process's log format."""
+    cmd = [sys.executable, "-m", "phalanx.launcher.cli", "--log-format", current_format(),
+           "launch", config]
     for item in overrides:
         cmd += ["--set", item]
+    return cmd
+
+
+def launch(config: str, overrides: Sequence[str]) -> RunOutcome:
+    cmd = launch_command(config, overrides)
     started = time.monotonic()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
     run = RUN_RE.search(proc.stdout)
@@ -162,7 +194,7 @@ def reference_hashes(config: str, overrides: Sequence[str], console: Console,
     key = computation_key(cfg)
     cache = Path(cfg.job.run_dir) / REFERENCES / f"{key}.json"
     if cache.is_file() and not fresh:
-        console.print(f"fault-free reference: cached {cache}")
+        console.print(f"fault-free reference: cached {cache}", markup=False)
         return {int(r): h for r, h in json.loads(cache.read_text())["hashes"].items()}, \
             f"cached reference {cache}"
     console.print("fault-free reference run")
@@ -209,7 +241,8 @@ class DrillServices:
             self._closers.append(s3.close)
             self.overrides += ["tiers.s3.enabled=true", f"tiers.s3.endpoint_url={s3.endpoint_url}",
                                f"tiers.s3.bucket={s3.bucket}"]
-            self.console.print(f"local S3 endpoint for the drill: {s3.endpoint_url}")
+            self.console.print(f"local S3 endpoint for the drill: {s3.endpoint_url}",
+                               markup=False)
         return self
 
     def _start_standby_services(self) -> None:
@@ -231,7 +264,7 @@ class DrillServices:
         address = json.loads(ray_proc.stdout.readline())["address"]
         self.overrides += ["coordinator.standby=true", f"etcd.endpoints=[{etcd.endpoint!r}]",
                            f"ray.address={address}"]
-        self.console.print(f"standby drill: etcd {etcd.endpoint}, Ray {address}")
+        self.console.print(f"standby drill: etcd {etcd.endpoint}, Ray {address}", markup=False)
 
     def __exit__(self, *exc: object) -> None:
         for close in reversed(self._closers):
@@ -249,9 +282,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def launch_with_standby(config: str, overrides: Sequence[str]) -> RunOutcome:
     """The leader and, once it leads a running job, a standby: the scenario kills the
     leader; the standby's outcome is the run's (its stdout has the final hashes)."""
-    cmd = [sys.executable, "-m", "phalanx.launcher.cli", "launch", config]
-    for item in overrides:
-        cmd += ["--set", item]
+    cmd = launch_command(config, overrides)
     started = time.monotonic()
     leader = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
     root = Path(load_config(config, overrides).job.run_dir)
@@ -284,7 +315,7 @@ def inject_fault(args: argparse.Namespace, console: Console) -> int:
     from phalanx.launcher.rundir import RunDir
     from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
 
-    run = RunDir.find(args.job)
+    run = RunDir.find(args.job, source="phalanx drill inject --job")
     target = {k: v for k, v in (("rank", args.rank), ("node", args.node), ("role", args.role))
               if v is not None}
     params = dict(_param(p) for p in args.param)
@@ -292,17 +323,39 @@ def inject_fault(args: argparse.Namespace, console: Console) -> int:
                              "trigger": {"at_step": args.at_step} if args.at_step else
                              {"at_time_s": 0}}
     parse_fault(fault, "fault", "phalanx drill inject")    # refuse bad input here, not later
+    _check_drills_on(run.path)
     info = run.read_job()
-    membership = EtcdMembership(list(info["etcd_endpoints"]),
-                                job_prefix(info["etcd_prefix"], info["job"]),
-                                **client_options(**info.get("etcd_client", {}))).connect()
+    try:
+        membership = EtcdMembership(list(info["etcd_endpoints"]),
+                                    job_prefix(info["etcd_prefix"], info["job"]),
+                                    **client_options(**info.get("etcd_client", {}))).connect()
+    except MembershipUnavailable as exc:
+        console.print(f"phalanx drill inject: the job {info['job']} of {run.path} cannot be "
+                      f"reached (its etcd does not answer: {exc}); is it still running? "
+                      "`phalanx status` tells", markup=False, highlight=False)
+        return 1
     try:
         membership.put(f"{INJECT_PREFIX}{uuid.uuid4().hex[:12]}", json.dumps(fault).encode())
     finally:
         membership.close()
     console.print(f"injected {args.fault} into job {info['job']} ({run.path}); its drill_fault "
-                  "event lands in events.jsonl")
+                  "event lands in events.jsonl", markup=False)
     return _await_fired(run.path / "events.jsonl", args.fault, console)
+
+
+def _check_drills_on(run_path: Path) -> None:
+    """Refuse to inject into a job launched without drills: it has no injector to fire the
+    fault (nor drill hooks in its workers), so the fault would sit in etcd unfired."""
+    try:
+        saved = yaml.safe_load((run_path / "config.yaml").read_text(encoding="utf-8")) or {}
+        drills = saved.get("drills") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return                      # no readable saved config: let the launcher decide
+    if not drills.get("enabled") and not drills.get("scenario"):
+        raise ConfigError("drills.enabled", f"is false for the job of {run_path}: it was "
+                          "launched without drills, so nothing in it fires injected faults",
+                          "launch the job with --set drills.enabled=true (or with a "
+                          "drills.scenario), then inject into it", "phalanx drill inject")
 
 
 def _await_fired(events_path: Path, kind: str, console: Console, timeout_s: float = 15.0) -> int:
@@ -312,7 +365,8 @@ def _await_fired(events_path: Path, kind: str, console: Console, timeout_s: floa
         events = read_events(events_path) if events_path.exists() else []
         fired = [e for e in events[seen:] if e["event"] == "drill_fault" and e["kind"] == kind]
         if fired:
-            console.print(f"fired at step {fired[-1]['step']}: {fired[-1].get('details')}")
+            console.print(f"fired at step {fired[-1]['step']}: {fired[-1].get('details')}",
+                          markup=False)
             return 0
         time.sleep(0.2)
     console.print(f"not fired within {timeout_s:.0f} s (is the job running, or is its step "
@@ -341,23 +395,35 @@ def run_chaos(args: argparse.Namespace, console: Console) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     scenario = parse_scenario(raw, str(path))
-    console.print(f"chaos: {len(scenario.faults)} faults from seed {args.seed} -> {path}")
+    console.print(f"chaos: {len(scenario.faults)} faults from seed {args.seed} -> {path}",
+                  markup=False)
     for spec in scenario.faults:
         console.print(f"  {spec.kind} of {spec.target_text()} {spec.trigger_text()}",
-                      highlight=False)
+                      highlight=False, markup=False)
     return run_scenario(args.config, args.overrides, str(path), console, verify=True,
                         scenario=scenario)
 
 
 def list_faults(console: Console) -> int:
-    from phalanx.launcher.drills.catalogue import catalogue
+    """The catalogue, one block per kind: whole names and texts at any terminal width."""
+    from phalanx.launcher.drills.catalogue import FAMILIES, catalogue
 
-    table = Table(title="fault catalogue")
-    for column in ("kind", "family", "target", "params", "phalanx response", "what it does"):
-        table.add_column(column)
-    for kind, mech in sorted(catalogue().items(), key=lambda kv: (kv[1].family, kv[0])):
-        target = f"role {'/'.join(mech.roles)}" if mech.target == "role" else mech.target
-        params = ", ".join(f"{n}={d!r}" for n, (_, d) in mech.params.items())
-        table.add_row(kind, mech.family, target, params, mech.recovers, mech.summary)
-    console.print(table)
+    kinds = catalogue()
+    console.print(f"fault catalogue: {len(kinds)} kinds, by family (use them in a scenario's "
+                  "faults, or with phalanx drill inject KIND)", markup=False, highlight=False)
+    for family in FAMILIES:
+        members = sorted(kind for kind, mech in kinds.items() if mech.family == family)
+        if members:
+            console.print()
+            console.print(Text(family, style="bold"))
+        for kind in members:
+            mech = kinds[kind]
+            target = f"role {'/'.join(mech.roles)}" if mech.target == "role" else mech.target
+            params = ", ".join(f"{n}={d!r}" for n, (_, d) in mech.params.items())
+            console.print(Text.assemble(("  " + kind, "bold"), f"  (target: {target})"),
+                          no_wrap=True, overflow="ignore", crop=False)
+            for label, text in (("fault", mech.summary), ("phalanx", mech.response),
+                                ("params", params or "no parameters")):
+                console.print(Padding(Text(f"{label}: {text}"), (0, 0, 0, 4), expand=False),
+                              highlight=False)
     return 0

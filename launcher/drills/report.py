@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from phalanx.runtime.base import node_name
 from phalanx.launcher.drills.catalogue import REGISTRY, FaultSpec
+from phalanx.launcher.goodput import goodput_from_events, markdown_breakdown, summary_line
 from phalanx.runtime.tiers.disk import atomic_write
 
 if TYPE_CHECKING:
@@ -40,9 +41,11 @@ class RunOutcome:
 
 
 def build_report(scenario: "Scenario", drilled: RunOutcome, reference: Mapping[int, str] | None,
-                 reference_source: str, events: Sequence[Event]) -> dict[str, Any]:
+                 reference_source: str, events: Sequence[Event],
+                 summary: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Pure: the report of one drilled run (JSON-able). Missing or unknown event fields
-    (older runs lack ``progress``, ``rank_restored``, ...) are tolerated, never raised on."""
+    (older runs lack ``progress``, ``rank_restored``, ...) are tolerated, never raised on.
+    ``summary``: the run's summary.json (its goodput), if it wrote one."""
     ordered = sorted((e for e in events if "event" in e), key=_time)
     t0 = next((_time(e) for e in ordered if e["event"] == "started"),
               _time(ordered[0]) if ordered else 0.0)
@@ -60,6 +63,7 @@ def build_report(scenario: "Scenario", drilled: RunOutcome, reference: Mapping[i
         "timeline": [[round(_time(e) - t0, 3), e.get("min_step"), e.get("max_step")]
                      for e in _named(ordered, "progress")],
         "event_counts": dict(Counter(str(e["event"]) for e in ordered)),
+        "goodput": _goodput(summary, ordered, t0),
     }
     report["checks"] = check_expectations(scenario, drilled, ref, ordered, faults)
     report["passed"] = all(row["ok"] for row in report["checks"])
@@ -87,6 +91,30 @@ def write_report(report: Mapping[str, Any], run_dir: Path) -> list[Path]:
         atomic_write(written[2], memoryview(png))
     log.info("drill_report written=%s passed=%s", run_dir, full.get("passed"))
     return written
+
+
+def _goodput(summary: Mapping[str, Any] | None, events: Sequence[Event],
+             t0: float) -> dict[str, Any] | None:
+    """The run's goodput: its summary.json's, else computed from the events over the
+    window ``started`` event .. last event (a run that wrote no summary)."""
+    if summary is not None and isinstance(summary.get("goodput"), Mapping):
+        return {"source": "summary.json", **summary["goodput"]}
+    if not events:
+        return None
+    return {"source": "events.jsonl (started event to last event)",
+            **goodput_from_events(events, t0, _time(events[-1])).to_json()}
+
+
+def _goodput_section(goodput: Mapping[str, Any] | None) -> list[str]:
+    if not goodput:
+        return []
+    return ["## Goodput", "", f"From {goodput.get('source')}.", "", *markdown_breakdown(goodput)]
+
+
+def goodput_text(report: Mapping[str, Any]) -> str:
+    """The report's goodput as one line (``summary_line``), or why there is none."""
+    goodput = report.get("goodput")
+    return summary_line(goodput) if goodput else "goodput: not measured (no events)"
 
 
 def console_rows(report: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
@@ -333,6 +361,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
              "| run | |", "|---|---|", f"| drilled run | `{run['run_dir']}` |",
              f"| exit code | {run['exit_code']} |", f"| error | {_cell(run['error'] or '-')} |",
              f"| wall time | {run['seconds']:.1f} s |",
+             f"| goodput | {_cell(goodput_text(report))} |",
              f"| reference | {report['reference']['source']} |", ""]
     if run["job_failed"]:
         failed = run["job_failed"]
@@ -341,7 +370,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines += ["## Final state", "", "| rank | hash | reference | verdict |", "|---|---|---|---|"]
     lines += [f"| {h['rank']} | `{(h['hash'] or '-')[:16]}` | `{(h['reference'] or '-')[:16]}` "
               f"| {h['verdict']} |" for h in report["final_state"]]
-    lines += ["", "## Faults", ""]
+    lines += ["", *_goodput_section(report.get("goodput")), "## Faults", ""]
     for fault in report["faults"]:
         lines += _markdown_fault(fault)
     lines += ["## Checks", "", "| check | expected | measured | result |", "|---|---|---|---|"]

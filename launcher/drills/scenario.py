@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import yaml
 
 from phalanx.configs.errors import ConfigError
+from phalanx.configs.introspect import did_you_mean
 from phalanx.launcher.drills.catalogue import FaultSpec, Mechanism, catalogue
 
 TOP_KEYS = ("name", "description", "overrides", "needs", "faults", "expect")
@@ -40,15 +41,47 @@ class Scenario:
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a drill file; raises ``ConfigError`` naming the file and key."""
+    """Read and validate a drill file; raises ``ConfigError`` naming the file, key and the
+    YAML line of the key."""
     source = str(path)
     try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8")
+        raw = yaml.safe_load(text)
+        lines = key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError("drills.scenario", f"cannot be read: {exc}",
                           "point at a YAML file such as configs/drills/kill_worker.yaml",
                           source) from None
-    return parse_scenario(raw, source, default_name=Path(path).stem)
+    try:
+        return parse_scenario(raw, source, default_name=Path(path).stem)
+    except ConfigError as exc:
+        raise exc.located(source, _line_of(exc.key, lines)) from None
+
+
+def key_lines(node: yaml.Node | None, path: str = "") -> dict[str, int]:
+    """1-based YAML line of every key path (``faults[0].kind``) in a composed document."""
+    found: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            child = f"{path}.{key.value}" if path else str(key.value)
+            found[child] = key.start_mark.line + 1
+            found.update(key_lines(value, child))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            child = f"{path}[{index}]"
+            found[child] = item.start_mark.line + 1
+            found.update(key_lines(item, child))
+    return found
+
+
+def _line_of(key: str, lines: Mapping[str, int]) -> int | None:
+    """The line of ``key``, else of the nearest enclosing key that is in the file."""
+    while key:
+        if key in lines:
+            return lines[key]
+        cut = max(key.rfind("."), key.rfind("["))
+        key = key[:cut] if cut > 0 else ""
+    return None
 
 
 def parse_scenario(raw: Any, source: str, default_name: str = "drill") -> Scenario:
@@ -84,8 +117,9 @@ def parse_fault(item: Any, key: str, source: str, index: int = 0) -> FaultSpec:
     _known(item, FAULT_KEYS, key + ".", source)
     kind = item.get("kind")
     if kind not in kinds:
-        raise ConfigError(f"{key}.kind", f"{kind!r} is not a known fault",
-                          f"use one of {sorted(kinds)}", source)
+        close = did_you_mean(kind, list(kinds)) if isinstance(kind, str) else ""
+        raise ConfigError(f"{key}.kind", f"{kind!r} is not a known fault{close}",
+                          f"use one of {', '.join(sorted(kinds))} (phalanx drill list)", source)
     mech = kinds[kind]
     target = _target(item.get("target") or {}, mech, f"{key}.target", source)
     trigger = _trigger(item.get("trigger"), f"{key}.trigger", source)
@@ -96,7 +130,8 @@ def parse_fault(item: Any, key: str, source: str, index: int = 0) -> FaultSpec:
 def _known(raw: Mapping[str, Any], allowed: tuple[str, ...], prefix: str, source: str) -> None:
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
-        raise ConfigError(prefix + unknown[0], "is not a drill key", f"use {list(allowed)}",
+        raise ConfigError(prefix + unknown[0], "is not a drill key"
+                          + did_you_mean(str(unknown[0]), list(allowed)), f"use {list(allowed)}",
                           source)
 
 

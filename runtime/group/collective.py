@@ -84,8 +84,8 @@ class Collective:
             thread.join(pause)
             pause = min(pause * 2, 0.02)
         if "error" in built:
-            message = str(built["error"]).splitlines()[0][-200:]
-            raise CollectiveAborted(f"generation {generation}'s group did not form: {message}")
+            raise CollectiveAborted(f"generation {generation}'s group did not form: "
+                                    f"{_whole(built['error'])}")
         self._group = built["group"]
         self.generation = generation
 
@@ -134,6 +134,19 @@ class Collective:
         try:
             work.wait()
         except RuntimeError as exc:
-            message = str(exc).splitlines()[0][-200:]
-            raise CollectiveAborted(f"all_reduce failed: {message}") from None
+            raise CollectiveAborted(f"all_reduce failed: {_whole(exc)}") from None
         return tensor
+
+
+def _whole(exc: BaseException) -> str:
+    """An error's whole message on one line, never cut: gloo puts the cause at the end of a
+    long first line (``[../gloo/transport/tcp/pair.cc:534] Connection closed by peer
+    [127.0.0.1]:29500``). A C++ stack torch may append (``Exception raised from ...``,
+    ``frame #0: ...``) is left out: it is no part of the message."""
+    lines = []
+    for line in str(exc).splitlines():
+        if line.startswith(("Exception raised from ", "frame #")):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    return " | ".join(lines)

@@ -110,6 +110,7 @@ class SnapshotStats:
     last_capture_step: int = -1    # the step last captured (the training thread's view)
     committed_step: int = -1       # the job's committed step, as the keeper said at a claim
     last_stall_s: float = 0.0
+    stall_s: float = 0.0           # every capture's training stall, summed
     last_background_s: float = 0.0
     interval: int = 1
     bytes: int = 0
@@ -272,6 +273,11 @@ class Snapshotter:
     def shares_interval(self) -> bool:
         return self._agreed is not None
 
+    @property
+    def interval(self) -> int:
+        """The interval in force: the one every rank agreed on, or this rank's own."""
+        return self._control.interval if self._agreed is None else self._agreed
+
     def agree_interval(self, interval: int) -> None:
         """Snapshot every ``interval`` steps, as every rank agreed, instead of this rank's
         own choice: every rank must snapshot the same steps, or no step would be complete
@@ -317,6 +323,7 @@ class Snapshotter:
         self._control.observe_capture(None if fresh else stall)
         self._last_capture_step = self.stats.last_capture_step = step
         self.stats.last_stall_s = stall
+        self.stats.stall_s += stall
         return stall
 
     def wait_for_copy(self) -> None:

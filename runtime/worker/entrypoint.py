@@ -1,8 +1,11 @@
 """Resolve a training entrypoint, ``path/to/train.py:function`` or ``package.module:function``."""
 from __future__ import annotations
 
+import ast
+import difflib
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
@@ -57,3 +60,100 @@ def load_entrypoint(entrypoint: str) -> Callable[..., object]:
         raise ConfigError("job.entrypoint", f"{target!r} has no function {function!r}",
                           "name a function defined at module level")
     return fn
+
+
+def check_entrypoint(entrypoint: str, as_written: str = "") -> None:
+    """Refuse, before anything starts, an entrypoint whose function its file does not
+    define: read statically (the source is parsed, never imported or run). A file
+    entrypoint must already be resolved (``resolve_path``; ``as_written`` is the config's
+    text, for the hint); a ``module:function`` one is checked when the module's source can
+    be found without importing it (else the worker's import reports it). Raises
+    ``ConfigError`` (key ``job.entrypoint``) naming the file, the function and the nearest
+    top-level functions it does define."""
+    target, _, function = entrypoint.rpartition(":")
+    if target.endswith(".py"):
+        path: Path | None = Path(target)
+    else:
+        path = _module_source(target)
+    if path is None or not path.is_file():
+        return
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (SyntaxError, ValueError) as exc:
+        lineno = getattr(exc, "lineno", None)
+        line = f" line {lineno}" if lineno else ""
+        raise ConfigError("job.entrypoint", f"{str(path)!r} does not parse:{line} "
+                          f"{getattr(exc, 'msg', exc)}", "fix the script's syntax") from None
+    names = _top_level_names(tree)
+    if names is None or function in names:    # a star import or __getattr__: cannot tell
+        return
+    functions = [n for n, kind in names.items() if kind == "function"]
+    close = difflib.get_close_matches(function, functions, n=3)
+    hint = (f"did you mean {' or '.join(repr(c) for c in close)}? " if close else "") + (
+        f"{path.name} defines {', '.join(sorted(functions))}" if functions
+        else f"{path.name} defines no function at its top level") + (
+        f"; write job.entrypoint as '{(as_written or entrypoint).rpartition(':')[0]}:NAME'")
+    raise ConfigError("job.entrypoint", f"{str(path)!r} has no top-level function "
+                      f"{function!r}", hint)
+
+
+def _module_source(module: str) -> Path | None:
+    """The source file of ``a.b.c`` found the way import would find it, without importing
+    anything (not even its parent packages); None when not found or not Python source."""
+    if module in sys.modules:
+        origin = getattr(sys.modules[module], "__file__", None)
+        return Path(origin) if origin and origin.endswith(".py") else None
+    search: list[str] | None = None
+    spec = None
+    for depth, part in enumerate(module.split(".")):
+        try:     # a top-level name through every finder (finding imports nothing)
+            spec = (importlib.util.find_spec(part) if depth == 0 else
+                    importlib.machinery.PathFinder.find_spec(part, search))
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return None
+        search = list(spec.submodule_search_locations or [])
+    origin = spec.origin if spec is not None else None
+    return Path(origin) if origin and origin.endswith(".py") else None
+
+
+def _top_level_names(tree: ast.Module) -> dict[str, str] | None:
+    """Names a module binds at its top level (``function`` for a def, else ``name``),
+    looking into if/try/with blocks; None when a star import, a module ``__getattr__``,
+    ``globals()`` or ``exec`` makes the set unknowable."""
+    names: dict[str, str] = {}
+    body = list(tree.body)
+    while body:
+        node = body.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = "function"
+        elif isinstance(node, ast.ClassDef):
+            names[node.name] = "name"
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.setdefault((alias.asname or alias.name).split(".")[0], "name")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor,
+                               ast.With, ast.AsyncWith)):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.For,
+                                                          ast.AsyncFor)) else
+                       [item.optional_vars for item in node.items if item.optional_vars])
+            for target in targets:
+                for sub in ast.walk(target):
+                    if isinstance(sub, ast.Name):
+                        names.setdefault(sub.id, "name")
+        if isinstance(node, (ast.If, ast.Try, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor,
+                             ast.While)) or type(node).__name__ == "TryStar":
+            for field in ("body", "orelse", "finalbody"):
+                body.extend(getattr(node, field, []))
+            for handler in getattr(node, "handlers", []):
+                body.extend(handler.body)
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.NamedExpr):
+            names.setdefault(node.value.target.id, "name")
+    dynamic = any(isinstance(n, ast.Name) and n.id in ("globals", "exec") for n in ast.walk(tree))
+    if "__getattr__" in names or dynamic:      # names made at run time
+        return None
+    return names

@@ -31,6 +31,7 @@ from phalanx.configs.errors import (LeaseLost, MembershipUnavailable, PeerUnreac
 from phalanx.runtime.base import MemberRecord, RestoreSource, source_from_json
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.context import WorkerContext
+from phalanx.runtime.logs import ReplayMarker, bind_fields
 from phalanx.runtime.membership.generation import Fenced, GenerationWatcher
 from phalanx.runtime.worker.heartbeat import Heartbeat
 from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address
@@ -119,12 +120,15 @@ class Session:
         self._started = False
         self._agreement: tuple[Any, torch.Tensor] | None = None   # see _agree_interval
         self._verifier: ReplicaVerifier | None = None    # detection.compare_replicas
+        self._replays = ReplayMarker()     # steps at or below the highest done: replays
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Session":
         if self._started:
             return self
         ctx = self.context
+        # every record this process logs names the rank and the live generation
+        bind_fields(rank=ctx.rank, generation=lambda: self.generation)
         log.info("event=session_start rank=%d generation=%d", ctx.rank, ctx.generation)
         torch.set_num_threads(ctx.torch_threads)
         if ctx.etcd_endpoints:
@@ -234,6 +238,7 @@ class Session:
                 log.warning("event=final_progress_lost rank=%d error=%s", self.rank, exc)
             self._membership.close()
             self._membership = None
+        bind_fields(rank=self.rank, generation=self.generation)   # the last, not the session
         self._started = False
 
     def __enter__(self) -> "Session":
@@ -316,6 +321,7 @@ class Session:
             self._recover(str(exc))
             return
         self._progress.step_index += 1
+        self._log_step(self._progress.step_index - 1, time.perf_counter() - started)
         if self._awaiting_first_step:  # the first step of a new generation: report it now
             self._awaiting_first_step = False
             self._first_step_at = time.time()
@@ -334,6 +340,14 @@ class Session:
                     return
                 if snapshotter.shares_interval:
                     self._agree_interval(snapshotter)
+
+    def _log_step(self, step: int, seconds: float) -> None:
+        """One line per completed step: DEBUG, or INFO with ``replay=true`` for a step at or
+        below the highest this process completed (redone after a rollback)."""
+        if self._replays.mark(step):
+            log.info("event=step_done step=%d seconds=%.4f replay=true", step, seconds)
+        else:
+            log.debug("event=step_done step=%d seconds=%.4f", step, seconds)
 
     def _compare_replicas(self, collect: bool) -> bool:
         """``detection.compare_replicas`` at a snapshot step (``phalanx.runtime.consistency.verify``):
@@ -407,7 +421,7 @@ class Session:
                     self.generation, reason)
         # told to the coordinator with the next heartbeat (sent at once): a failed group
         # with no other fault to explain it (a cut link) is a fault of its own
-        self._collective_error = {"generation": self.generation, "detail": reason[:200]}
+        self._collective_error = {"generation": self.generation, "detail": reason[:2000]}
         self._wake.set()
         assert self._collective is not None and self._watcher is not None
         self._collective.abandon()
@@ -480,13 +494,25 @@ class Session:
                                                     "first_step_at": self._first_step_at,
                                                     "collective_error": self._collective_error,
                                                     "restored": self._restored,
-                                                    **self._replica_extra()})
+                                                    **self._replica_extra(),
+                                                    **self._snapshot_extra()})
 
     def _replica_extra(self) -> dict[str, Any]:
         verifier = self._verifier
         return {} if verifier is None else {REPLICAS_EXTRA: verifier.status().to_extra()}
 
+    def _snapshot_extra(self) -> dict[str, Any]:
+        """The snapshots' cost so far (the launcher's metrics): the interval in force, the
+        training thread's summed capture stall and the captures published. Changes at most
+        once per capture, so it adds no heartbeat writes."""
+        snapshotter = self._snapshotter
+        if snapshotter is None:
+            return {}
+        stats = snapshotter.stats
+        return {"snapshot": {"every_steps": snapshotter.interval,
+                             "stall_s": round(stats.stall_s, 6), "captures": stats.captures}}
+
     def _beat_state(self) -> tuple:
         """What a heartbeat writes when it changed since the last one."""
         return (self._progress.step_index, self.generation, self._first_step_at,
-                self._collective_error, self._replica_extra())
+                self._collective_error, self._replica_extra(), self._snapshot_extra())

@@ -32,7 +32,8 @@ from phalanx.runtime.tiers.config import read_job_secret
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
-ERROR_REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
+ROOT = Path(__file__).resolve().parents[2]
+ERROR_REFERENCE = ROOT / "docs" / "troubleshooting.md"
 SECRET = b"k" * 32
 JOB = "bad-input"
 ENTRY = "job:\n  entrypoint: train.py:main\n"
@@ -276,6 +277,16 @@ CASES: list[Case] = [
          _cli("ckpt", "ls", "--path", "{tmp}/no-such", "--job", "j"), ConfigError,
          "is not a folder", "pass the disk tier root (the folder holding <job>/step_*/)",
          prefix="error: phalanx ckpt: --path:"),
+    Case("cli-entrypoint-no-function", "cli", "`job.entrypoint: examples/train_mlp.py:mian`",
+         _cli("launch", "{cfg}",
+              config=f"job:\n  entrypoint: {ROOT}/examples/train_mlp.py:mian\n"),
+         ConfigError, "has no top-level function 'mian' (hint: did you mean 'main'?",
+         "fix the function name: the hint lists what the file defines (refused before any "
+         "service starts)"),
+    Case("cli-cpus-over-machine", "cli", "`--set ray.cpus_per_node=100000`",
+         _cli("launch", "{cfg}", "--set", "ray.cpus_per_node=100000"), ConfigError,
+         "ray.cpus_per_node: 100000 logical CPUs per virtual node is more than 8 x the",
+         "lower ray.cpus_per_node to what the workers and spares need, or set ray.address"),
     # manifests
     Case("manifest-not-json", "manifest", "manifest bytes `{\"format_version\": 1,`",
          _manifest(raw=b'{"format_version": 1,'), SnapshotCorrupt,

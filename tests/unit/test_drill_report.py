@@ -277,3 +277,23 @@ def test_without_matplotlib_the_png_is_skipped(tmp_path: Path,
     loaded = json.loads((tmp_path / JSON_NAME).read_text())
     assert loaded["png"] is None and "matplotlib" in loaded["png_missing"]
     assert not (tmp_path / PNG_NAME).exists()
+
+
+def test_goodput_comes_from_the_summary_or_else_from_the_events(tmp_path: Path) -> None:
+    from phalanx.launcher.run_summary import build_summary
+
+    events = _demo_events()
+    summary = build_summary("finished", "demo", 4, events, events[0]["time"] - 2.0,
+                            events[-1]["time"] + 1.0, final_step=60)
+    report = build_report(_demo_scenario(), _ok(), None, "", events, summary)
+    goodput = report["goodput"]
+    assert goodput["source"] == "summary.json" and goodput["recoveries"] == 1
+    assert abs(goodput["sum_s"] - goodput["wall_s"]) <= 0.01 * goodput["wall_s"]
+    write_report(report, tmp_path)
+    markdown = (tmp_path / MD_NAME).read_text()
+    assert "| goodput | goodput " in markdown and "## Goodput" in markdown
+    assert "| **sum** |" in markdown
+    assert json.loads((tmp_path / JSON_NAME).read_text())["goodput"]["wall_s"] == goodput["wall_s"]
+    fallback = build_report(_demo_scenario(), _ok(), None, "", events)["goodput"]
+    assert fallback["source"].startswith("events.jsonl")
+    assert abs(fallback["sum_s"] - fallback["wall_s"]) <= 0.01 * fallback["wall_s"]

@@ -297,8 +297,8 @@ def test_plan_is_deterministic_whatever_the_input_order() -> None:
 def test_policy_from_config() -> None:
     policy = RecoveryPolicy.from_config(
         SparesConfig(on_exhausted="wait", wait_timeout_s=12.0),
-        RecoveryConfig(max_recoveries=4, can_shrink=True), recoveries_so_far=2)
-    assert policy == RecoveryPolicy(on_exhausted="wait", wait_timeout_s=12.0, can_shrink=True,
+        RecoveryConfig(max_recoveries=4), recoveries_so_far=2)
+    assert policy == RecoveryPolicy(on_exhausted="wait", wait_timeout_s=12.0,
                                     max_recoveries=4, recoveries_so_far=2, enabled=True)
     with pytest.raises(ValueError):
         RecoveryPolicy(on_exhausted="shrink")  # type: ignore[arg-type]

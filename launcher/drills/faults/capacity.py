@@ -108,7 +108,12 @@ def exhaust_memory(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:
 register_preparer(prepare)
 register(Mechanism("disk_full", "storage", "none", disk_full,
                    "the disk tier's filesystem is full (ENOSPC) for for_s",
-                   params={"for_s": (float, 8.0)}, recovers="none"))
+                   params={"for_s": (float, 8.0)}, recovers="none",
+                   response=("persisting fails with tier_degraded and retries; "
+                             "training goes on")))
 register(Mechanism("exhaust_memory", "availability", "none", exhaust_memory,
                    "the keepers' shared memory is full (ENOSPC) for for_s",
-                   params={"for_s": (float, 8.0)}, recovers="none"))
+                   params={"for_s": (float, 8.0)}, recovers="none",
+                   response=("pre-allocated slots keep training going; a rank that "
+                             "cannot get new slots skips its snapshots and trains "
+                             "on until there is room")))

@@ -91,4 +91,7 @@ register(Mechanism(
     summary="flip one bit of one rank's parameters in the worker's memory (silent data "
             "corruption): found by comparing replica digests across ranks, repaired from "
             "a healthy peer after every rank rolls back to the newest agreeing step",
-    params={"bit": (int, 0), "tensor": (str, "")}, recovers="rollback", chaos=True))
+    params={"bit": (int, 0), "tensor": (str, "")}, recovers="rollback", chaos=True,
+    response=("the ranks compare replica digests at every snapshot; the odd rank is "
+              "repaired from a healthy peer and every rank rolls back to the last "
+              "agreeing step")))

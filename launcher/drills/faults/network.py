@@ -151,17 +151,23 @@ _MECHANISMS = (
               "replication into node N's keeper is delayed (a slow network link)",
               params={"delay_ms": (float, 200.0), "for_s": (float, 10.0),
                       "direction": (str, "forward")},
-              recovers="none", chaos=True),
+              recovers="none", chaos=True,
+              response=("nothing to recover: replication lags, training does not "
+                        "wait")),
     Mechanism("corrupt_payload", "communication", "node", fire_corrupt_payload,
               "bits flip in replication traffic into node N's keeper; the replica is refused "
               "and pushed again",
               params={"count": (int, 1), "for_s": (float, 10.0),
                       "min_chunk_bytes": (int, 4096)},
-              recovers="none", chaos=True),
+              recovers="none", chaos=True,
+              response=("the receiving keeper verifies the chunks, refuses the "
+                        "replica, and the sender pushes it again")),
     Mechanism("s3_outage", "storage", "role", fire_s3_outage,
               "the S3 endpoint refuses connections; persistence retries and resumes",
               params={"for_s": (float, 10.0)}, roles=("s3",), recovers="none", chaos=False,
-              needs=("s3",)),
+              needs=("s3",),
+              response=("persistence retries with backoff and raises tier_degraded; "
+                        "training goes on")),
 )
 REGISTRY_PARAMS = {m.kind: m.params for m in _MECHANISMS}
 for _mechanism in _MECHANISMS:

@@ -161,4 +161,6 @@ def partition_node(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:
 register(Mechanism("partition_node", "communication", "node", partition_node,
                    "cut every TCP connection between the node's processes and the rest "
                    "(kernel SOCK_DESTROY) for for_s; its processes keep running",
-                   params={"for_s": (float, 10.0)}))
+                   params={"for_s": (float, 10.0)},
+                   response=("the node is lost to the others: fenced (new "
+                             "generation), its ranks replaced on other nodes")))

@@ -127,23 +127,38 @@ def kill_coordinator(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:
 
 
 register(Mechanism("kill_worker", "availability", "rank", kill_worker,
-                   "SIGKILL the rank's worker process", chaos=True))
+                   "SIGKILL the rank's worker process", chaos=True,
+                   response="a warm spare takes the rank from the committed step"))
 register(Mechanism("worker_exception", "availability", "rank", worker_exception,
                    "the rank raises InjectedFault inside its current step (SIGUSR1)",
-                   chaos=True))
+                   chaos=True,
+                   response=("the failed worker is killed and replaced "
+                             "(recovery.on_worker_exception: replace); the same "
+                             "rank raising at the same step again fails the job "
+                             "with its traceback")))
 register(Mechanism("kill_node", "availability", "node", kill_node,
                    "stop the virtual node: its raylet, workers, keeper and shared memory",
-                   chaos=True))
+                   chaos=True,
+                   response=("the node's ranks restart on spares elsewhere from "
+                             "their replicas on other nodes")))
 register(Mechanism("kill_spare", "availability", "role", kill_spare,
                    "SIGKILL a warm spare; the pool replaces it", params={"which": (int, 0)},
-                   roles=("spare",), recovers="none", chaos=True))
+                   roles=("spare",), recovers="none", chaos=True,
+                   response=("the pool's health ping notices and starts a "
+                             "replacement; a dead spare is never promoted")))
 register(Mechanism("kill_coordinator", "availability", "role", kill_coordinator,
                    "SIGKILL the launcher; the standby takes the job over", roles=("coordinator",),
-                   recovers="none", needs=("standby",), ends_launcher=True))
+                   recovers="none", needs=("standby",), ends_launcher=True,
+                   response=("the standby launcher takes the job over (same "
+                             "workers, keepers and spares)")))
 register(Mechanism("hang_worker", "liveness", "rank", hang_worker,
                    "SIGSTOP the rank's process (SIGCONT after for_s; 0 = never)",
-                   params={"for_s": (float, 0.0)}, chaos=True))
+                   params={"for_s": (float, 0.0)}, chaos=True,
+                   response=("a lapsed lease or stalled progress: the rank is "
+                             "killed and a spare takes it")))
 register(Mechanism("slow_worker", "liveness", "rank", slow_worker,
                    "a straggler: SIGSTOP/SIGCONT duty cycle on the rank's process",
                    params={"stop_ms": (float, 60.0), "period_ms": (float, 200.0),
-                           "for_s": (float, 5.0)}, recovers="none", chaos=True))
+                           "for_s": (float, 5.0)}, recovers="none", chaos=True,
+                           response=("nothing to recover: a straggler is slow, not "
+                                     "dead")))

@@ -72,8 +72,14 @@ register(Mechanism("etcd_restart", "communication", "role", etcd_restart,
                    "stop the embedded etcd (SIGKILL or SIGTERM) and start it again on the "
                    "same port and data after down_s; the job rides it out",
                    params={"signal": (str, "kill"), "down_s": (float, 2.0)},
-                   roles=("etcd",), recovers="none", chaos=True))
+                   roles=("etcd",), recovers="none", chaos=True,
+                   response=("heartbeats and leases ride it out; lease signals are "
+                             "not trusted until 2 TTLs after etcd is back; no rank "
+                             "is replaced")))
 register(Mechanism("kill_keeper", "availability", "node", kill_keeper,
                    "SIGKILL the node's keeper; a new keeper starts there and its workers "
                    "move to it (the node's in-memory snapshots are lost, replicas remain)",
-                   recovers="none", chaos=True))
+                   recovers="none", chaos=True,
+                   response=("a new keeper starts on that node, replicas are placed "
+                             "again and the node's workers reconnect to it through "
+                             "etcd; no rank is replaced, no rollback")))

@@ -113,12 +113,18 @@ register(Mechanism("corrupt_snapshot", "storage", "rank", corrupt_snapshot,
                    "in its newest tier object (disk, s3)",
                    params={"where": (str, "own"), "bit": (int, 0)},
                    choices={"where": WHERE, "bit": tuple(range(8))}, recovers="none",
-                   chaos=True))
+                   chaos=True,
+                   response=("restore verifies checksums: the damaged copy is "
+                             "refused and the next source is used")))
 register(Mechanism("truncate_snapshot", "storage", "rank", truncate_snapshot,
                    "cut the rank's newest tier object short (disk, s3)",
                    params={"where": (str, "disk"), "keep_fraction": (float, 0.5)},
-                   choices={"where": TIERS}, recovers="none"))
+                   choices={"where": TIERS}, recovers="none",
+                   response=("refused at restore (and by phalanx ckpt verify); the "
+                             "next source is used")))
 register(Mechanism("delete_snapshot", "storage", "none", delete_snapshot,
                    "delete the newest complete tier checkpoint (disk, s3)",
                    params={"where": (str, "disk")}, choices={"where": TIERS},
-                   recovers="none"))
+                   recovers="none",
+                   response=("restore uses the next source (an older complete step, "
+                             "another tier)")))
