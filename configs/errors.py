@@ -76,6 +76,12 @@ class InjectedFault(RuntimeError):
     """Raised inside a worker's step by a drill's ``worker_exception`` fault (SIGUSR1)."""
 
 
+class ReplicasNeverAgreed(FatalError):
+    """The replicated state differed across ranks before any step ever agreed: the ranks did
+    not start from the same state (e.g. unseeded initialisation without a broadcast), which
+    no repair or rollback can fix. Not silent corruption."""
+
+
 class ServiceStartError(FatalError):
     """An embedded service (etcd, Ray) did not start or did not become healthy."""
 

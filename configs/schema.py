@@ -327,7 +327,9 @@ class SparesConfig:
 
 @dataclass(frozen=True)
 class DetectionConfig:
-    stall_timeout_s: float = doc("a rank whose step does not advance this long is hung", 10.0)
+    stall_timeout_s: float = doc("a rank whose step does not advance this long, or 3x the "
+                                 "job's longest recent step if longer, is hung (only while "
+                                 "inside session.step() and not session.busy())", 10.0)
     poll_interval_s: float = doc("how often the coordinator samples progress", 0.1)
     collective_grace_s: float = doc("a failed collective that no other fault explains (a cut "
                                     "link) becomes a fault after this long; a dead or lost "

@@ -394,7 +394,8 @@ class JobRunner:
         view = ProgressView(self.console, cfg.job.world_size, total).start()
         monitor = Monitor(cfg.job.nodes, watch=self._node_watch(coordinator),
                           collective_grace_s=cfg.detection.collective_grace_s,
-                          on_exception=cfg.recovery.on_worker_exception)
+                          on_exception=cfg.recovery.on_worker_exception,
+                          replicated_state=cfg.detection.replicated_state)
         injector = None if self.drills is None else self.drills.injector(
             cfg, run.path, slots, coordinator, self.services, self._remove_node)
         observer = RunObserver(coordinator.events, lambda g: coordinator.holders_before.get(g, {}))

@@ -6,7 +6,7 @@ clock; ``root_cause`` names the fault that explains the others. No I/O, no clock
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeAlias, TypeVar, assert_never
@@ -55,11 +55,18 @@ class CollectiveError:
 
 @dataclass(frozen=True)
 class Progress:
-    """A rank finished ``step`` (aggregated by its keeper); feeds ``StallDetector``."""
+    """A rank finished ``step`` (as its member record said); feeds ``StallDetector``.
+
+    ``in_step``: the training thread was inside ``session.step()`` (or had just left it);
+    ``busy``: it declared long work (``session.busy()``); ``step_s``: the wall time of the
+    rank's last completed step (0: none yet). Defaults judge the rank as stepping."""
 
     rank: Rank
     step: Step
     observed_at: float
+    in_step: bool = True
+    busy: bool = False
+    step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -261,14 +268,31 @@ def _reports(ranks: _Earliest[Rank], nodes: _Earliest[NodeId],
 # --- stalls -------------------------------------------------------------------------------
 
 
+# A rank is hung only after this many of the job's longest recent step times without
+# progress (or stall_timeout_s, whichever is longer): healthy steps vary (a slow batch, a
+# snapshot, a busy host), rarely by 3x, while a real hang never ends; with steps much
+# shorter than stall_timeout_s the timeout alone decides, so hangs are found as fast.
+STALL_STEP_FACTOR = 3.0
+# How many reported step times (across ranks) "recent" spans: long enough to remember one
+# slow step, short enough that a slow warm-up step stops counting soon after.
+RECENT_STEPS = 20
+
+
 class StallDetector:
     """Finds ranks whose step stopped advancing, from progress samples on a manual clock.
 
-    A rank is stalled once ``stall_timeout_s`` has passed since it reached its current step
-    (``now - reached_at >= stall_timeout_s``) and no other rank is behind it: ranks ahead of
+    A rank is stalled once ``threshold_s()`` has passed since it reached its current step
+    (``now - reached_at >= threshold_s()``) and no other rank is behind it: ranks ahead of
     a laggard are waiting for it, so only the laggards are reported. When every rank is stuck
-    at one step, every rank is reported (a job-wide hang). ``check`` is a pure query; only
-    ``observe``/``forget``/``reset`` change state. Called from the coordinator thread only.
+    at one step, every rank is reported (a job-wide hang). The threshold is
+    ``max(stall_timeout_s, STALL_STEP_FACTOR * longest recent step)``, the longest of the
+    last ``RECENT_STEPS`` step times the ranks reported, so a job whose healthy steps are
+    longer than the timeout is not taken for hung. A rank outside a step or busy
+    (``Progress.in_step``/``busy``) is excused: it is never reported, nor is any rank while
+    an excused one is among the laggards (the others may wait for it in a collective); its
+    timer restarts when it steps again (a dead or frozen process is the lease's and the
+    actor's signals to find). ``check`` is a pure query; only ``observe``/``forget``/
+    ``reset`` change state. Called from the coordinator thread only.
     """
 
     def __init__(self, stall_timeout_s: float) -> None:
@@ -277,43 +301,68 @@ class StallDetector:
         self.stall_timeout_s = stall_timeout_s
         self._step: dict[Rank, Step] = {}
         self._reached_at: dict[Rank, float] = {}
+        self._excused: dict[Rank, bool] = {}
+        self._step_times: deque[float] = deque(maxlen=RECENT_STEPS)
 
     @classmethod
     def from_config(cls, cfg: DetectionConfig) -> StallDetector:
         return cls(cfg.stall_timeout_s)
 
+    def threshold_s(self) -> float:
+        """How long a rank may stay at one step before it is stalled."""
+        return max(self.stall_timeout_s, STALL_STEP_FACTOR * max(self._step_times, default=0.0))
+
     def observe(self, sample: Progress) -> None:
         """Record a progress sample. A new step (higher, or lower after a rollback) restarts
-        the rank's timer; the same step again does not; a sample older than the rank's
-        current step's arrival is ignored (reordered delivery)."""
+        the rank's timer and adds its ``step_s`` to the recent step times; the same step
+        again does not, unless the rank was excused and steps again; a sample older than
+        the rank's current step's arrival is ignored (reordered delivery)."""
         rank, step, at = sample.rank, sample.step, sample.observed_at
-        if rank in self._step and (step == self._step[rank] or at < self._reached_at[rank]):
+        excused = sample.busy or not sample.in_step
+        known = rank in self._step
+        if known and at < self._reached_at[rank]:
             return
-        self._step[rank] = step
-        self._reached_at[rank] = at
+        new_step = not known or step != self._step[rank]
+        resumed = known and self._excused[rank] and not excused
+        self._excused[rank] = excused
+        if new_step and sample.step_s > 0:
+            self._step_times.append(sample.step_s)
+        if new_step or resumed:
+            self._step[rank] = step
+            self._reached_at[rank] = at
 
     def forget(self, rank: Rank) -> None:
         """Stop tracking ``rank`` (it was replaced; the new worker starts a fresh timer)."""
         self._step.pop(rank, None)
         self._reached_at.pop(rank, None)
+        self._excused.pop(rank, None)
 
     def reset(self) -> None:
-        """Forget every rank (a new generation starts)."""
+        """Forget every rank and the recent step times (a new generation starts)."""
         self._step.clear()
         self._reached_at.clear()
+        self._excused.clear()
+        self._step_times.clear()
 
     def check(self, now: float) -> list[FaultReport]:
         """STALLED reports (one per laggard rank, ascending) as of ``now``."""
         if not self._step:
             return []
         lowest, furthest = min(self._step.values()), max(self._step.values())
+        laggards = sorted(rank for rank, step in self._step.items() if step == lowest)
+        if any(self._excused[rank] for rank in laggards):
+            return []
+        threshold = self.threshold_s()
+        longest = max(self._step_times, default=0.0)
         reports = []
-        for rank in sorted(self._step):
-            step, since = self._step[rank], self._reached_at[rank]
-            if step != lowest or now - since < self.stall_timeout_s:
+        for rank in laggards:
+            since = self._reached_at[rank]
+            if now - since < threshold:
                 continue
             reports.append(FaultReport(
-                FaultKind.STALLED, (rank,), None, since + self.stall_timeout_s,
-                f"rank {rank} stayed at step {step} for {now - since:.3f} s "
-                f"(stall_timeout_s={self.stall_timeout_s}); furthest rank at step {furthest}"))
+                FaultKind.STALLED, (rank,), None, since + threshold,
+                f"rank {rank} stayed at step {lowest} for {now - since:.3f} s (threshold "
+                f"{threshold:.3f} s: stall_timeout_s={self.stall_timeout_s}, longest recent "
+                f"step {longest:.3f} s x {STALL_STEP_FACTOR:g}); furthest rank at step "
+                f"{furthest}"))
         return reports

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -36,7 +36,8 @@ class Monitor:
 
     def __init__(self, nodes: int, node_check_s: float = 0.25,
                  watch: NodeWatch | None = None, collective_grace_s: float = 2.0,
-                 on_exception: str = "replace") -> None:
+                 on_exception: str = "replace",
+                 replicated_state: Sequence[str] = ("model", "optimizer")) -> None:
         self._nodes = nodes
         self._on_exception = on_exception
         self._raised_at: set[tuple[int, int]] = set()   # (rank, step) that raised once
@@ -49,7 +50,7 @@ class Monitor:
         self._seen: dict[str, MemberRecord] = {}
         self._vanished: dict[str, float] = {}
         self._dead_nodes: set[int] = set()
-        self._replicas = ReplicaCheck()
+        self._replicas = ReplicaCheck(replicated_state)
 
     def poll(self, slots: Mapping[int, RankSlot], done_ranks: set[int],
              members: Mapping[str, MemberRecord], timeout_s: float,
@@ -80,7 +81,11 @@ class Monitor:
         for record in members.values():
             if record.rank >= 0 and slots.get(record.rank) and \
                     slots[record.rank].worker_id == record.worker_id:
-                result.progress.append(Progress(Rank(record.rank), Step(record.step), now))
+                result.progress.append(Progress(
+                    Rank(record.rank), Step(record.step), now,
+                    in_step=bool(record.extra.get("in_step", True)),
+                    busy=bool(record.extra.get("busy")),
+                    step_s=float(record.extra.get("step_s") or 0.0)))
                 self._collective_signal(record, now, result)
         current = [r for r in members.values() if r.rank >= 0 and slots.get(r.rank)
                    and slots[r.rank].worker_id == r.worker_id]

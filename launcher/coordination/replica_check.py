@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
+from phalanx.configs.errors import ReplicasNeverAgreed
 from phalanx.recovery.detection import SilentCorruption
 from phalanx.runtime.base import MemberRecord, Rank, Step
 from phalanx.runtime.consistency.digest import ReplicaStatus
@@ -40,16 +41,34 @@ def corruption_signal(records: Iterable[MemberRecord], world_size: int,
 
 
 class ReplicaCheck:
-    """Owned by the launcher's ``Monitor`` (main thread): each divergence is signalled once."""
+    """Owned by the launcher's ``Monitor`` (main thread): each divergence is signalled once.
+    A divergence before any step of the job ever agreed is no corruption: the ranks never
+    held the same state, and ``poll`` raises ``ReplicasNeverAgreed`` naming that cause."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Iterable[str] = ("model", "optimizer")) -> None:
         self._reported: set[tuple[int, int]] = set()     # (generation, step)
+        self._names = list(names)
+        self._agreed = False              # some step of this job agreed on every rank
 
     def poll(self, records: Iterable[MemberRecord], world_size: int,
              now: float) -> SilentCorruption | None:
+        """Raises ``ReplicasNeverAgreed`` (fatal) for a divergence before any agreement."""
+        records = list(records)
+        self._agreed = self._agreed or any(
+            status is not None and status.verified >= 0
+            for status in (ReplicaStatus.from_extra(r.extra) for r in records if r.rank >= 0))
         signal = corruption_signal(records, world_size, now)
         if signal is None or (signal.generation, signal.step) in self._reported:
             return None
+        if not self._agreed:
+            raise ReplicasNeverAgreed(
+                f"the replicated state {self._names} (detection.replicated_state) differed "
+                f"across ranks at step {signal.step}, the first step compared, and no step "
+                "ever agreed: the ranks did not start from the same state, which is not "
+                "silent corruption. Seed the initialisation identically on every rank or "
+                "broadcast it from rank 0 (DistributedDataParallel does), list only objects "
+                "that are identical on every rank in detection.replicated_state, or set "
+                "detection.compare_replicas: false")
         self._reported.add((signal.generation, signal.step))
         log.error("event=sdc_signal step=%d verified=%d generation=%d digests=%s", signal.step,
                   signal.verified_step, signal.generation, dict(signal.digests))

@@ -27,6 +27,12 @@ NODE_RESOURCE = "phalanx_node_{}"
 NODE_RESOURCE_UNITS = 1000
 
 
+@ray.remote(num_cpus=0, max_retries=0)
+def _probe() -> int:
+    """A node's first worker process: its pid (``LocalRay._probe_nodes``)."""
+    return os.getpid()
+
+
 def ray_address_dir() -> Path:
     """Where Ray writes its ``ray_current_cluster`` address file whatever the cluster's own
     temp dir: ``<system temp dir>/ray``. Ray never creates that folder, so on a machine that
@@ -133,12 +139,27 @@ class LocalRay:
                 # once on a 2-core machine can starve the GCS past Ray's start-up deadlines
                 self._nodes[index] = self._cluster.add_node(wait=True, **self._node_args(index))
             self._cluster.wait_for_nodes(timeout=60)
+            self._probe_nodes()
         except Exception as exc:  # process boundary: any Ray failure becomes one typed error
             self.close()
             raise ServiceStartError(f"local Ray did not start: {exc}") from exc
         log.info("event=ray_started nodes=%d seconds=%.2f address=%s", self._cfg.virtual_nodes,
                  time.monotonic() - started, self._cluster.address)
         return self
+
+    def _probe_nodes(self, timeout_s: float = 60.0) -> None:
+        """Start one worker process on every virtual node before the job does. A raylet
+        fate-shares with its agents, and an agent that fails as the node's first worker
+        starts takes the raylet with it (seen on a loaded 2-core machine: "the raylet
+        exited immediately because one Ray agent failed"); found here, it is one more
+        start-up attempt, instead of a job that dies while its keepers start."""
+        probes = [_probe.options(resources={node_resource(index): 1}).remote()
+                  for index in self._nodes]
+        ray.get(probes, timeout=timeout_s)
+        dead = [n["NodeID"] for n in ray.nodes() if not n["Alive"]]
+        if dead:
+            raise ServiceStartError(f"{len(dead)} raylet(s) died while their first worker "
+                                    f"started: {dead}")
 
     def _head_args(self) -> dict[str, Any]:
         return {
@@ -215,7 +236,8 @@ class LocalRay:
             return []
         kept = []
         for log_file in sorted(self._temp_dir.glob("session_latest/logs/*")):
-            if not log_file.is_file() or not log_file.name.startswith(("raylet", "gcs_server")):
+            if not log_file.is_file() or not log_file.name.startswith(
+                    ("raylet", "gcs_server", "dashboard", "runtime_env_agent")):
                 continue
             dest.mkdir(parents=True, exist_ok=True)
             with log_file.open("rb") as src:

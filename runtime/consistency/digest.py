@@ -1,9 +1,12 @@
 """Digests of a rank's data-parallel replicated state, and the small integer vector that
 compares them across ranks in one all-reduce (pure: no torch, no I/O).
 
-In a data-parallel job the registered model and optimizer (``detection.replicated_state``)
-are bit-identical on every rank after each step, so the checksums a snapshot computes
-anyway must agree too. A rank's *replica digest* of a step is a 60-bit hash over those
+In a data-parallel job the registered model's parameters and the optimizer
+(``detection.replicated_state``) are bit-identical on every rank after each step, so the
+checksums a snapshot computes anyway must agree too. A module's buffers are not: BatchNorm
+without SyncBatchNorm keeps per-rank running statistics (DDP broadcasts buffers before each
+forward, and the forward then updates them from the rank's own batch), so buffers are
+per-rank state and never compared. A rank's *replica digest* of a step is a 60-bit hash over those
 checksums (and the JSON trees of those objects); silent data corruption on one rank (a
 flipped bit in its parameters) shows as a digest that differs from the other ranks'.
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import AbstractSet, Any, Iterable, Literal, Mapping, Sequence
 
 from phalanx.runtime.snapshot.state_tree import escape_segment
 
@@ -36,10 +39,12 @@ _MASK = (1 << CHUNK_BITS) - 1
 
 
 def replica_digest(sums: Mapping[str, str], spec: Mapping[str, Any],
-                   names: Sequence[str]) -> str | None:
+                   names: Sequence[str], per_rank: AbstractSet[str] = frozenset()) -> str | None:
     """The digest (15 hex digits) over the checksums of the tensors of objects ``names``
     (a snapshot's ``{tensor name: "<algo>:<hex>"}``) and those objects' tree specs; None
-    when the snapshot holds none of them."""
+    when the snapshot holds none of them. Tensors in ``per_rank`` (a module's buffers, such
+    as BatchNorm's running statistics: each rank updates them from its own batches) are
+    left out: only state that is replicated by construction is compared."""
     objects = spec.get("objects", {}) if isinstance(spec, Mapping) else {}
     present = sorted(name for name in set(names) if name in objects)
     if not present:
@@ -49,7 +54,7 @@ def replica_digest(sums: Mapping[str, str], spec: Mapping[str, Any],
     digest.update(json.dumps({name: objects[name] for name in present}, sort_keys=True,
                              separators=(",", ":")).encode())
     for tensor, checksum in sorted(sums.items()):
-        if tensor.split("/", 1)[0] in prefixes:
+        if tensor.split("/", 1)[0] in prefixes and tensor not in per_rank:
             digest.update(f"\n{tensor}={checksum}".encode())
     value = int.from_bytes(digest.digest(), "big") & ((1 << DIGEST_BITS) - 1)
     return f"{value:0{DIGEST_BITS // 4}x}"

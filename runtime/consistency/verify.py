@@ -20,13 +20,14 @@ import logging
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import AbstractSet, Any, Callable, Mapping, Sequence
 
 import torch
 
 from phalanx.configs.errors import ConfigError
 from phalanx.configs.loader import load_config_text
 from phalanx.runtime.context import WorkerContext
+from phalanx.runtime.snapshot.state_tree import escape_segment
 from phalanx.runtime.consistency.digest import (Agreement, ReplicaStatus, agreement_vector,
                                                 read_agreement, replica_digest)
 
@@ -51,14 +52,30 @@ def replicated_names(ctx: WorkerContext) -> tuple[str, ...]:
     return tuple(detection.replicated_state) if detection.compare_replicas else ()
 
 
+def per_rank_tensors(objects: Mapping[str, Any], names: Sequence[str]) -> frozenset[str]:
+    """Snapshot tensor names of the buffers of the ``names`` objects that are modules (as
+    ``flatten_state`` names them: ``<object>/<state_dict key>``): per-rank state inside a
+    replicated object."""
+    found: set[str] = set()
+    for name in names:
+        module = objects.get(name)
+        if not isinstance(module, torch.nn.Module):
+            continue
+        keys = set(module.state_dict(keep_vars=True))
+        found.update(f"{escape_segment(name)}/{escape_segment(key)}"
+                     for key, _ in module.named_buffers() if key in keys)
+    return frozenset(found)
+
+
 class ReplicaVerifier:
     """Owned by the Session: ``collect``/``start``/``note_capture``/``reset`` run on the
     training thread, ``published`` on the snapshot publishing thread, ``status`` on the
     heartbeat thread. ``snapshotter`` needs ``protect_step`` and ``on_published``."""
 
     def __init__(self, names: Sequence[str], world_size: int, generation: int,
-                 snapshotter: Any) -> None:
+                 snapshotter: Any, per_rank: AbstractSet[str] = frozenset()) -> None:
         self.names = tuple(names)
+        self.per_rank = frozenset(per_rank)
         self._world_size = world_size
         self._generation = generation
         self._snapshotter = snapshotter
@@ -73,7 +90,7 @@ class ReplicaVerifier:
 
     # -- publishing thread -----------------------------------------------------------
     def published(self, step: int, sums: Mapping[str, str], spec: Mapping[str, Any]) -> None:
-        digest = replica_digest(sums, spec, self.names)
+        digest = replica_digest(sums, spec, self.names, self.per_rank)
         if digest is None:
             return
         with self._lock:

@@ -33,6 +33,7 @@ from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.logs import ReplayMarker, bind_fields
 from phalanx.runtime.membership.generation import Fenced, GenerationWatcher
+from phalanx.runtime.worker.activity import Activity
 from phalanx.runtime.worker.heartbeat import Heartbeat
 from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address
 from phalanx.runtime.keeper.wire import KeeperClient
@@ -42,7 +43,7 @@ from phalanx.runtime.group.process_group import connect_store, connect_store_at
 from phalanx.runtime.worker.rejoin import restore_rank
 from phalanx.runtime.consistency.digest import REPLICAS_EXTRA
 from phalanx.runtime.consistency.repair import split_sources, try_repair
-from phalanx.runtime.consistency.verify import ReplicaVerifier, replicated_names
+from phalanx.runtime.consistency.verify import ReplicaVerifier, per_rank_tensors, replicated_names
 from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter
 from phalanx.runtime.snapshot.state_tree import RNGState, assign_in_place, object_kind
 
@@ -94,6 +95,12 @@ class Session:
     ``start()`` restores the rank's state when it replaces a lost rank, joins the
     generation's group and etcd; raises ``PeerUnreachable``, ``MembershipUnavailable`` or
     ``SnapshotNotFound``. A heartbeat thread reports progress every ``heartbeat_s``.
+
+    Hang detection judges a rank only while it is inside ``step()``, against the job's
+    observed step times (a step several times longer than the recent ones, or than
+    ``detection.stall_timeout_s`` when steps are short, is a hang). Work outside ``step()``
+    (an evaluation pass, a save) is never taken for a hang; long work inside a step, or
+    work that should say so explicitly, goes in ``with session.busy("evaluation"):``.
     """
 
     def __init__(self, context: WorkerContext | None = None, capture_rng: bool = True) -> None:
@@ -114,6 +121,7 @@ class Session:
         self._heartbeat: Heartbeat | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._activity = Activity(self.context.heartbeat_s / 2, self._wake.set)
         self._first_step_at = 0.0
         self._restored: dict[str, Any] | None = None   # the last restore: step, source, bytes
         self._awaiting_first_step = False
@@ -181,7 +189,8 @@ class Session:
         names = replicated_names(ctx)
         if names:
             self._verifier = ReplicaVerifier(names, ctx.world_size, ctx.generation,
-                                             self._snapshotter)
+                                             self._snapshotter,
+                                             per_rank_tensors(self._objects, names))
         for obj in self._objects.values():
             self._hook_optimizer(obj)
 
@@ -306,7 +315,33 @@ class Session:
     @contextmanager
     def step(self) -> Iterator[int]:
         """Wrap one training step; yields the step index being run. A collective failure in
-        the step is recovered from here (the step's effects are rolled back)."""
+        the step is recovered from here (the step's effects are rolled back). The rank's
+        member record tells the stall detector whether it is inside a step and how long
+        its last completed step took."""
+        index, recoveries = self._progress.step_index, self.recoveries
+        started = time.perf_counter()
+        self._activity.enter_step()
+        completed = False
+        try:
+            with self._run_step() as step:
+                yield step
+            completed = (self.recoveries == recoveries
+                         and self._progress.step_index == index + 1)
+        finally:
+            self._activity.leave_step(time.perf_counter() - started if completed else None)
+
+    @contextmanager
+    def busy(self, reason: str = "busy") -> Iterator[None]:
+        """Mark this rank busy for the block (an evaluation pass, a save, a long step), so
+        hang detection does not take it for hung however long the block runs; ``reason``
+        is shown in its member record (``extra.busy``). A rank frozen or dead while busy is
+        still found by its lapsed lease or its actor's death. Nestable; published at once
+        (one write per block entered, so keep it to long work)."""
+        with self._activity.busy(reason):
+            yield
+
+    @contextmanager
+    def _run_step(self) -> Iterator[int]:
         if not self._started:
             self.start()
         snapshotter = self._snapshotter
@@ -495,7 +530,8 @@ class Session:
                                                     "collective_error": self._collective_error,
                                                     "restored": self._restored,
                                                     **self._replica_extra(),
-                                                    **self._snapshot_extra()})
+                                                    **self._snapshot_extra(),
+                                                    **self._activity.extra()})
 
     def _replica_extra(self) -> dict[str, Any]:
         verifier = self._verifier
@@ -515,4 +551,5 @@ class Session:
     def _beat_state(self) -> tuple:
         """What a heartbeat writes when it changed since the last one."""
         return (self._progress.step_index, self.generation, self._first_step_at,
-                self._collective_error, self._replica_extra(), self._snapshot_extra())
+                self._collective_error, self._replica_extra(), self._snapshot_extra(),
+                self._activity.extra())

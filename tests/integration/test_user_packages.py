@@ -25,6 +25,7 @@ import phalanx
 
 def main(out: str, steps: int = 3) -> dict:
     session = phalanx.Session()
+    torch.manual_seed(0)                 # data-parallel replicas start equal
     model = torch.nn.Linear(4, 1)
     session.register(model=model)
     with session:

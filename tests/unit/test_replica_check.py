@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from phalanx.configs.errors import ReplicasNeverAgreed
 from phalanx.launcher.coordination.commit_tracker import CommitTracker
 from phalanx.launcher.coordination.replica_check import ReplicaCheck, corruption_signal
 from phalanx.recovery.base import (FaultKind, RepairFromPeer, RecoveryPlan, ReplicaMap,
@@ -46,6 +47,22 @@ def test_digest_covers_replicated_objects_only() -> None:
     assert replica_digest({**SUMS, "optimizer/m": "xxh3:ba"}, SPEC, NAMES) != digest
     assert replica_digest(SUMS, SPEC, ("model",)) != digest
     assert replica_digest(SUMS, SPEC, ("sampler",)) is None    # nothing to compare
+
+
+def test_a_modules_buffers_are_per_rank_state_and_never_compared() -> None:
+    import torch
+
+    from phalanx.runtime.consistency.verify import per_rank_tensors
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    names = per_rank_tensors({"model": model, "optimizer": object()}, NAMES)
+    assert names == {"model/1.running_mean", "model/1.running_var",
+                     "model/1.num_batches_tracked"}
+    sums = {**SUMS, "model/1.running_mean": "xxh3:01"}
+    digest = replica_digest(sums, SPEC, NAMES, names)
+    assert replica_digest({**sums, "model/1.running_mean": "xxh3:02"}, SPEC, NAMES,
+                          names) == digest                       # per-rank statistics differ
+    assert replica_digest({**sums, "model/w": "xxh3:ab"}, SPEC, NAMES, names) != digest
 
 
 def test_digest_covers_plain_values_of_replicated_trees() -> None:
@@ -140,6 +157,17 @@ def test_signal_needs_every_rank_to_report_the_same_divergence() -> None:
     assert corruption_signal(stale, 4, 5.0) is None     # rank 3 already rolled back
     check = ReplicaCheck()
     assert check.poll(records, 4, 5.0) is not None and check.poll(records, 4, 6.0) is None
+
+
+def test_a_divergence_before_any_step_agreed_is_a_named_error_not_corruption() -> None:
+    never = [member(r, ReplicaStatus(-1, (), (0, f"d{r}", 0)), 0) for r in range(2)]
+    with pytest.raises(ReplicasNeverAgreed, match="did not start from the same state"):
+        ReplicaCheck(["model"]).poll(never, 2, now=1.0)
+    check = ReplicaCheck()
+    agreed = [member(r, ReplicaStatus(4), 0) for r in range(2)]
+    assert check.poll(agreed, 2, now=1.0) is None
+    later = [member(r, ReplicaStatus(-1, (), (9, f"d{r}", 0)), 0) for r in range(2)]
+    assert check.poll(later, 2, now=2.0) is not None      # after an agreement: corruption
 
 
 def world(generation: int = 2, committed: int = 25) -> WorldView:
