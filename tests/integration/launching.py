@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,3 +79,25 @@ def gloo_reference(config: str, *overrides: str, run_root: Path,
                 hashes[rank] = record["hash"]
     assert len(hashes) == cfg.job.world_size, hashes
     return Reference(hashes)
+
+
+def wait_training(run_root: Path, *, past_step: int, name: str | None = None,
+                  proc: subprocess.Popen | None = None, timeout_s: float = 120) -> Path:
+    """The run directory under ``run_root`` (of job ``name``, not an earlier run's) once
+    every rank is past ``past_step`` (the slowest rank of its ``progress`` events); fails
+    when ``proc`` (the launcher) ends first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc is None or proc.poll() is None, "the job ended before it trained"
+        latest = run_root / "latest"
+        if latest.is_file():
+            run_dir = Path(latest.read_text().strip())
+            events = run_dir / "events.jsonl"
+            if (name is None or run_dir.name.startswith(f"{name}-")) and events.is_file():
+                steps = [json.loads(line)["min_step"] for line in events.read_text().splitlines()
+                         if '"progress"' in line]
+                if steps and steps[-1] >= past_step:
+                    return run_dir
+        time.sleep(0.3)
+    raise AssertionError("the job never started training")
+

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import yaml
 
 from phalanx.configs.loader import load_config
 from phalanx.launcher.drills.commands import computation_key
-from tests.integration.launching import ROOT, phalanx_command
+from tests.integration.launching import ROOT, phalanx_command, wait_training
 from tests.integration.test_recovery import worker_pids
 from tests.plugins.leaks import Footprint, assert_nothing_left
 
@@ -204,7 +203,7 @@ def test_inject_into_a_running_job_through_etcd(run_root: Path) -> None:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=ENV)
     try:
-        run_dir = _wait_training(run_root, "inject")
+        run_dir = wait_training(run_root, past_step=10, name="inject")
         result = subprocess.run(
             [sys.executable, "-m", "phalanx.launcher.cli", "drill", "inject", "kill_worker",
              "--job", str(run_dir), "--rank", "2"], cwd=ROOT, capture_output=True, text=True,
@@ -235,24 +234,6 @@ def _reference(run_root: Path, job: tuple[str, ...]) -> list[str]:
     reference = subprocess.run(phalanx_command("configs/demo.yaml", *job, run_root=run_root),
                                cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     return _hashes(reference.stdout)
-
-
-def _wait_training(run_root: Path, name: str, timeout_s: float = 120) -> Path:
-    """The run directory of job ``name`` (not an earlier run's) once it trains."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        latest = run_root / "latest"
-        if latest.is_file() and Path(latest.read_text().strip()).name.startswith(f"{name}-"):
-            run_dir = Path(latest.read_text().strip())
-            events = run_dir / "events.jsonl"
-            if events.is_file() and '"progress"' in events.read_text():
-                text = events.read_text()
-                steps = [json.loads(line)["max_step"] for line in text.splitlines()
-                         if '"progress"' in line]
-                if steps and steps[-1] >= 10:
-                    return run_dir
-        time.sleep(0.3)
-    raise AssertionError("the job never started training")
 
 
 def _hashes(stdout: str) -> list[str]:

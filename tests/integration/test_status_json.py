@@ -8,13 +8,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.launching import ROOT, phalanx_command
+from tests.integration.launching import ROOT, phalanx_command, wait_training
 from tests.plugins.leaks import Footprint, assert_nothing_left
 
 pytestmark = pytest.mark.integration
@@ -79,31 +78,13 @@ def assert_sums_to_wall(goodput: dict[str, Any]) -> None:
                                                  abs=1e-3)
 
 
-def wait_training(run_root: Path, proc: subprocess.Popen, timeout_s: float = 90) -> Path:
-    """The run directory once every rank is past step 5."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the job ended before it trained"
-        latest = run_root / "latest"
-        if latest.is_file():
-            run_dir = Path(latest.read_text().strip())
-            events = run_dir / "events.jsonl"
-            text = events.read_text() if events.is_file() else ""
-            steps = [json.loads(line)["min_step"] for line in text.splitlines()
-                     if '"progress"' in line]
-            if steps and steps[-1] >= 5:
-                return run_dir
-        time.sleep(0.3)
-    raise AssertionError("the job never started training")
-
-
 @pytest.mark.timeout(240)
 def test_status_json_of_a_live_and_a_finished_job(tmp_path: Path, footprint: Footprint) -> None:
     proc = subprocess.Popen(phalanx_command("configs/demo.yaml", *JOB, run_root=tmp_path),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=ENV)
     try:
-        run_dir = wait_training(tmp_path, proc)
+        run_dir = wait_training(tmp_path, past_step=5, proc=proc, timeout_s=90)
         live, _ = status_json(run_dir)
         out, err = proc.communicate(timeout=180)
     finally:
