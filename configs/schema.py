@@ -28,7 +28,11 @@ def _require(ok: bool, key: str, problem: str, hint: str) -> None:
 
 @dataclass(frozen=True)
 class JobConfig:
-    entrypoint: str = doc("training function: 'path/to/train.py:main' or 'module:function'", "")
+    entrypoint: str = doc("what each rank runs: a script 'path/to/train.py' (as __main__ "
+                          "with job.argv, like torchrun), a function 'path/to/train.py:main' "
+                          "or 'module:function' (called with job.args)", "")
+    argv: list[str] = doc("command-line arguments of a script entrypoint (sys.argv[1:])",
+                          factory=list)
     name: str = doc("job name; etcd keys live under <etcd.prefix>/<name>/", "phalanx-job")
     world_size: int = doc("number of training ranks", 2)
     nodes: int = doc("number of nodes the ranks are spread over (round robin)", 2)
@@ -43,9 +47,15 @@ class JobConfig:
     def __post_init__(self) -> None:
         _require(bool(self.entrypoint), "job.entrypoint", "is required",
                  "set it to 'examples/train_mlp.py:main' or 'package.module:function'")
-        _require(":" in self.entrypoint, "job.entrypoint",
-                 f"{self.entrypoint!r} names no function",
-                 "write 'path/to/train.py:main' or 'module:function'")
+        _require(":" in self.entrypoint or self.entrypoint.endswith(".py"), "job.entrypoint",
+                 f"{self.entrypoint!r} is neither a script nor a function",
+                 "write 'path/to/train.py', 'path/to/train.py:main' or 'module:function'")
+        _require(all(isinstance(a, str) for a in self.argv), "job.argv",
+                 f"{self.argv!r} holds a value that is not a string",
+                 "write every argument as a string, e.g. ['--lr', '0.1']")
+        _require(not self.argv or ":" not in self.entrypoint, "job.argv",
+                 f"is set but job.entrypoint {self.entrypoint!r} names a function",
+                 "give a function its arguments in job.args, or name the script alone")
         _require(self.world_size >= 1, "job.world_size", f"{self.world_size} is below 1",
                  "use 1 or more ranks")
         _require(self.nodes >= 1, "job.nodes", f"{self.nodes} is below 1", "use 1 or more nodes")

@@ -91,6 +91,15 @@ def _command(args: argparse.Namespace, console: Console) -> int:
     return EXIT_USAGE
 
 
+def final_hash(outcome: dict) -> str | None:
+    """A rank's final hash: the ``hash`` its entrypoint returned, else the digest of its
+    Session's registered state (a script returns nothing; ``drill --verify`` compares it)."""
+    result = outcome.get("result")
+    if isinstance(result, dict) and result.get("hash"):
+        return str(result["hash"])
+    return outcome.get("state_digest")
+
+
 def _launch(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
@@ -107,7 +116,7 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
     from phalanx.launcher.job import JobRunner  # imports Ray and torch: only when launching
 
     result = JobRunner(cfg, console, standby=args.standby).run()
-    hashes = {rank: (value.get("result") or {}).get("hash") for rank, value in result.results.items()
+    hashes = {rank: final_hash(value) for rank, value in result.results.items()
               if isinstance(value, dict)}
     for rank, digest in hashes.items():
         if digest:

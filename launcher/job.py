@@ -43,6 +43,7 @@ from phalanx.launcher.coordination.takeover import (StatePublisher, adopt_keeper
 from phalanx.launcher.services.stack import Services, join_services, start_services
 from phalanx.spares.actor import WorkerActor
 from phalanx.spares.pool import SparePool
+from phalanx.runtime.worker.entrypoint import is_script
 from phalanx.recovery.base import FaultReport, WorldView
 from phalanx.recovery.detection import (ActorDied, CollectiveError, KeeperLeaseExpired, NodeLost,
                                         StallDetector, classify)
@@ -89,6 +90,7 @@ class JobRunner:
         self._lifetime = {"lifetime": "detached"} if cfg.coordinator.standby else {}
         self._publisher: StatePublisher | None = None
         self._signals_at_start: list[ActorDied] = []
+        self._slots: dict[int, RankSlot] = {}      # who runs each rank now (LOCAL_RANK)
         self.drills: JobDrills | None = None         # only when the config turns drills on
         self.metrics: JobMetrics | None = None       # only with metrics.port
         self._started_at = time.time()   # the launch on the wall clock (goodput); reset in run
@@ -187,6 +189,7 @@ class JobRunner:
                                set(self.keepers) if cfg.snapshot.enabled else None)
             slots, self._signals_at_start, doomed = adopt_workers(
                 state, generation, services.membership, cfg.job.name)
+            self._slots = slots
             for slot in slots.values():
                 if slot.actor is not None:
                     stack.callback(self._release_actor, slot.actor)
@@ -334,7 +337,8 @@ class JobRunner:
             else ("", 0)
         return WorkerContext(
             job=cfg.job.name, rank=slot.rank, world_size=cfg.job.world_size,
-            local_rank=slot.rank // cfg.job.nodes, node=node_name(slot.node),
+            local_rank=self._local_rank(slot), local_world_size=self._local_world_size(slot),
+            node=node_name(slot.node),
             worker_id=slot.worker_id, generation=generation, master_addr=services.store_host,
             master_port=services.store.port, etcd_endpoints=tuple(services.etcd_endpoints),
             etcd_prefix=cfg.etcd.prefix, lease_ttl_s=cfg.etcd.lease_ttl_s,
@@ -346,6 +350,23 @@ class JobRunner:
             secret_hex=self.secret_hex, etcd_client=client_fields(cfg.etcd),
             plan_timeout_s=plan_timeout_s(cfg), drills=cfg.drills.active,
             log_format=current_format(), extra={"restore": restore} if restore else {})
+
+    def _local_rank(self, slot: RankSlot) -> int:
+        """torchrun's LOCAL_RANK: the rank's index among its node's processes. A first
+        rank counts the ranks placed on its node before it; a replacement takes the lowest
+        index no other live rank on that node holds (a spare promoted onto a node whose
+        ranks all live gets the next one, as its own device would be)."""
+        taken = {other.local_rank for other in self._slots.values()
+                 if other.node == slot.node and other.rank != slot.rank
+                 and other.local_rank >= 0}
+        slot.local_rank = next(i for i in range(len(taken) + 1) if i not in taken)
+        return slot.local_rank
+
+    def _local_world_size(self, slot: RankSlot) -> int:
+        """torchrun's LOCAL_WORLD_SIZE: how many ranks the node runs (the replacement
+        counted)."""
+        return sum(1 for other in self._slots.values()
+                   if other.node == slot.node and other.rank != slot.rank) + 1
 
     def _new_actor(self, node: int, name: str) -> Any:
         cfg = self.cfg
@@ -372,7 +393,9 @@ class JobRunner:
         else:
             self._stack.callback(self._release_actor, slot.actor)
         ctx = self._context(run, slot, generation, restore)
-        return slot.actor.run.remote(ctx.to_env(), dict(self.cfg.job.args),
+        args = ({"argv": list(self.cfg.job.argv)} if is_script(self.entrypoint)
+                else dict(self.cfg.job.args))
+        return slot.actor.run.remote(ctx.to_env(), args,
                                      str(run.log_path(f"rank_{slot.rank}_{slot.worker_id}")))
 
     def _start_workers(self, run: RunDir) -> dict[int, RankSlot]:
@@ -382,6 +405,7 @@ class JobRunner:
             slot = RankSlot(rank, f"w{rank}-g0", node, self._new_actor(node, f"rank{rank}"),
                             name=f"{self.cfg.job.name}-rank{rank}")
             slots[rank] = slot
+        self._slots = slots
         for slot in slots.values():
             slot.ref = self._launch(run, slot, 0, None)
         return slots

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Mapping
 
 from phalanx.configs.errors import ConfigError
+from phalanx.runtime.base import node_index
 
 ENV_KEY = "PHALANX_CONTEXT"
 
@@ -21,7 +22,8 @@ class WorkerContext:
     job: str
     rank: int
     world_size: int
-    local_rank: int = 0
+    local_rank: int = 0                # torchrun's: the index among the node's processes
+    local_world_size: int = 1          # how many ranks run on this node
     node: str = "node0"
     worker_id: str = "standalone"
     generation: int = 0
@@ -56,10 +58,17 @@ class WorkerContext:
         return self.master_port == 0
 
     def to_env(self) -> dict[str, str]:
-        """torchrun-compatible variables plus the whole context as JSON."""
+        """torchrun's variables (same meanings: ``GROUP_RANK`` is the node's index, the
+        store at ``MASTER_ADDR:MASTER_PORT`` is the launcher's, so rank 0 hosts none) plus
+        the whole context as JSON."""
         return {
             "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
-            "LOCAL_RANK": str(self.local_rank), "MASTER_ADDR": self.master_addr,
+            "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(_group_rank(self.node)), "ROLE_RANK": str(self.rank),
+            "ROLE_WORLD_SIZE": str(self.world_size), "ROLE_NAME": "default",
+            "TORCHELASTIC_RUN_ID": self.job, "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port), "PHALANX_JOB": self.job,
             "PHALANX_NODE": self.node, "PHALANX_GENERATION": str(self.generation),
             ENV_KEY: json.dumps(asdict(self), sort_keys=True),
@@ -88,3 +97,11 @@ class WorkerContext:
     @classmethod
     def standalone(cls) -> "WorkerContext":
         return cls(job="standalone", rank=0, world_size=1)
+
+
+def _group_rank(node: str) -> int:
+    """torchrun's GROUP_RANK: the node's index (0 for a node not named ``node<index>``)."""
+    try:
+        return node_index(node)
+    except ValueError:
+        return 0

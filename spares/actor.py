@@ -3,8 +3,10 @@ already imported torch and the entrypoint and waits for ``run``). It runs the tr
 entrypoint with a torchrun-compatible environment and reports its result or traceback."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -15,7 +17,9 @@ import ray
 from phalanx.configs.errors import WorkerFailed
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.logs import DEFAULT_FORMAT, bind_fields, configure_logging
+from phalanx.runtime.group.default_group import install as install_default_group
 from phalanx.runtime.worker.entrypoint import load_entrypoint
+from phalanx.runtime.worker.session import last_state_digest
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,7 @@ class WorkerActor:
     def __init__(self, entrypoint: str, torch_threads: int, warmup: str = "",
                  log_format: str = DEFAULT_FORMAT) -> None:
         configure_logging(log_format, logging.INFO)   # the launcher's format, from the start
+        os.register_at_fork(after_in_child=_die_with_parent)
         os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         import torch  # warm-up: the import is most of a fresh worker's start-up time
 
@@ -57,6 +62,8 @@ class WorkerActor:
         configure_logging(ctx.log_format, logging.INFO)     # into the rank's log file
         bind_fields(rank=ctx.rank, generation=ctx.generation)   # the Session keeps it live
         log.info("event=worker_run rank=%d pid=%d", self._rank, os.getpid())
+        if not ctx.standalone_run:   # the script's init_process_group() builds phalanx's
+            install_default_group(ctx)
         try:
             result = self._entry(**args)
         except BaseException as exc:  # process boundary: the traceback becomes the report
@@ -70,7 +77,7 @@ class WorkerActor:
             sys.stderr.flush()
         # finished_at (wall clock): when training ended, for the launcher's goodput
         self._outcome = {"rank": self._rank, "pid": os.getpid(), "result": result,
-                         "finished_at": time.time()}
+                         "state_digest": last_state_digest(), "finished_at": time.time()}
         return self._outcome
 
     def result(self) -> dict[str, Any] | None:
@@ -81,6 +88,20 @@ class WorkerActor:
         if isinstance(self._outcome, WorkerFailed):
             raise self._outcome
         return self._outcome
+
+
+def _die_with_parent() -> None:
+    """A process forked from a worker (a DataLoader's worker processes) is killed when the
+    worker dies: else it holds the worker's inherited sockets open, so neither Ray nor the
+    gloo peers see the worker die until it notices by itself (seconds later)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):   # not Linux: the child notices its parent by itself
+        pass
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _warm_torch() -> None:

@@ -49,6 +49,7 @@ class RankSlot:
     ref: Any = None
     pid: int = 0
     name: str = ""       # the actor's name in the job's Ray namespace (a standby finds it)
+    local_rank: int = -1   # torchrun's LOCAL_RANK given to its process (-1: not launched)
 
 
 @dataclass
@@ -379,7 +380,11 @@ class RecoveryCoordinator:
         for rank in fenced:  # a hung, cut-off or failed rank must die so it never acts again
             with contextlib.suppress(Exception):
                 ray.kill(slots[rank].actor, no_restart=True)
-        restore = {"step": plan.restore_step}
+        replaced = sum(isinstance(a, (PromoteSpare, RestartWorker)) for a in plan.actions)
+        # a rank that joins survivors skips its script's set-up collectives (they are past
+        # them: phalanx.runtime.group.default_group); a whole new world runs them
+        restore = {"step": plan.restore_step,
+                   "joins_survivors": replaced < self.cfg.job.world_size}
         worker_plan = self._current_plan
         for action in plan.actions:
             match action:

@@ -40,6 +40,31 @@ class Collective:
         self._group: dist.ProcessGroup | None = None
         self._parked: list[dist.ProcessGroup] = []
         self.generation = -1
+        # set by the default group when one of its collectives failed in this generation;
+        # cleared when the next generation's group forms
+        self.fault: str | None = None
+        # a Session is attached: failed collectives complete as no-ops, the step rolls back
+        self.absorb_faults = False
+        self.superseded: Callable[[], bool] = lambda: False
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def store(self) -> dist.Store:
+        return self._store
+
+    def mark_fault(self, reason: str) -> None:
+        """Record that this generation's group failed (the first reason is kept)."""
+        if self.fault is None:
+            self.fault = reason
+            log.warning("event=default_group_fault generation=%d reason=%r", self.generation,
+                        reason[:500])
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -88,6 +113,7 @@ class Collective:
                                     f"{_whole(built['error'])}")
         self._group = built["group"]
         self.generation = generation
+        self.fault = None
 
     def use_store(self, connect: Callable[[], dist.Store]) -> None:
         """Form later generations on another TCPStore (a standby coordinator took over and

@@ -1,4 +1,5 @@
-"""Resolve a training entrypoint, ``path/to/train.py:function`` or ``package.module:function``."""
+"""Resolve a training entrypoint: a script ``path/to/train.py`` (run as ``__main__``), or a
+function ``path/to/train.py:function`` or ``package.module:function``."""
 from __future__ import annotations
 
 import ast
@@ -7,6 +8,7 @@ import hashlib
 import importlib
 import importlib.machinery
 import importlib.util
+import runpy
 import sys
 from pathlib import Path
 from typing import Callable
@@ -14,9 +16,16 @@ from typing import Callable
 from phalanx.configs.errors import ConfigError
 
 
+def is_script(entrypoint: str) -> bool:
+    """A script entrypoint (``train.py``, run as ``__main__``), not ``file.py:function``."""
+    return entrypoint.endswith(".py")
+
+
 def resolve_path(entrypoint: str, base_dir: Path) -> str:
     """Make a file entrypoint absolute (relative to ``base_dir``); modules stay as they are."""
     target, _, function = entrypoint.rpartition(":")
+    if is_script(entrypoint):
+        target, function = entrypoint, ""
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_absolute():
@@ -24,14 +33,40 @@ def resolve_path(entrypoint: str, base_dir: Path) -> str:
         if not path.is_file():
             raise ConfigError("job.entrypoint", f"file {str(path)!r} does not exist",
                               "give a path relative to the directory you launch from")
-        return f"{path}:{function}"
+        return f"{path}:{function}" if function else str(path)
     return entrypoint
+
+
+def script_runner(path: str) -> Callable[..., object]:
+    """Run ``path`` as ``__main__`` with ``argv`` as ``sys.argv[1:]``, like ``python path``
+    (its folder first on ``sys.path``); returns None. A ``SystemExit(0)`` (argparse's
+    ``--help``, an explicit ``sys.exit()``) is a normal end."""
+    def run(argv: list[str] | None = None) -> object:
+        folder = str(Path(path).resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        saved = sys.argv
+        sys.argv = [path, *(argv or [])]
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+        finally:
+            sys.argv = saved
+        return None
+    return run
 
 
 def load_entrypoint(entrypoint: str) -> Callable[..., object]:
     """Import the entrypoint's module and return its function; raises ``ConfigError``. A
     file entrypoint's folder goes on ``sys.path`` first, so the script imports its
     sibling modules as it would when run with ``python file.py``."""
+    if is_script(entrypoint):
+        if not Path(entrypoint).is_file():
+            raise ConfigError("job.entrypoint", f"script {entrypoint!r} does not exist",
+                              "give a path relative to the directory you launch from")
+        return script_runner(entrypoint)
     target, _, function = entrypoint.rpartition(":")
     if not target or not function:
         raise ConfigError("job.entrypoint", f"{entrypoint!r} is not 'file.py:fn' or 'module:fn'",
@@ -70,7 +105,10 @@ def check_entrypoint(entrypoint: str, as_written: str = "") -> None:
     be found without importing it (else the worker's import reports it). Raises
     ``ConfigError`` (key ``job.entrypoint``) naming the file, the function and the nearest
     top-level functions it does define."""
-    target, _, function = entrypoint.rpartition(":")
+    if is_script(entrypoint):      # a script: it must parse
+        target, function = entrypoint, ""
+    else:
+        target, _, function = entrypoint.rpartition(":")
     if target.endswith(".py"):
         path: Path | None = Path(target)
     else:
@@ -85,7 +123,7 @@ def check_entrypoint(entrypoint: str, as_written: str = "") -> None:
         raise ConfigError("job.entrypoint", f"{str(path)!r} does not parse:{line} "
                           f"{getattr(exc, 'msg', exc)}", "fix the script's syntax") from None
     names = _top_level_names(tree)
-    if names is None or function in names:    # a star import or __getattr__: cannot tell
+    if not function or names is None or function in names:    # a star import or __getattr__: cannot tell
         return
     functions = [n for n, kind in names.items() if kind == "function"]
     close = difflib.get_close_matches(function, functions, n=3)

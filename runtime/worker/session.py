@@ -16,6 +16,8 @@ returns from ``step()``; ``step_index`` then says which step to run.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -25,30 +27,54 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from phalanx.configs.errors import (LeaseLost, MembershipUnavailable, PeerUnreachable,
                                     StaleGeneration)
 from phalanx.runtime.base import MemberRecord, RestoreSource, source_from_json
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
+from phalanx.runtime.group.default_group import default_group, process_collective
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.logs import ReplayMarker, bind_fields
 from phalanx.runtime.membership.generation import Fenced, GenerationWatcher
 from phalanx.runtime.worker.activity import Activity
+from phalanx.runtime.worker.data import LoaderPosition
 from phalanx.runtime.worker.heartbeat import Heartbeat
 from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address
 from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
 from phalanx.runtime.worker.drill_hooks import raise_on_sigusr1, write_memory_map
-from phalanx.runtime.group.process_group import connect_store, connect_store_at
+from phalanx.runtime.group.process_group import connect_store_at
 from phalanx.runtime.worker.rejoin import restore_rank
 from phalanx.runtime.consistency.digest import REPLICAS_EXTRA
 from phalanx.runtime.consistency.repair import split_sources, try_repair
 from phalanx.runtime.consistency.verify import ReplicaVerifier, per_rank_tensors, replicated_names
 from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter
-from phalanx.runtime.snapshot.state_tree import RNGState, assign_in_place, object_kind
+from phalanx.runtime.snapshot.state_tree import (RNGState, assign_in_place, flatten_state,
+                                                  object_kind)
 
 log = logging.getLogger(__name__)
 FINISHED_PREFIX = "finished/"
+_final: dict[str, str] = {}      # the last closed session's state digest (the worker reports it)
+
+
+def state_digest(objects: dict[str, Any]) -> str:
+    """sha256 of the registered state (tensors' bytes in name order, then the tree of plain
+    values; the session's own RNG capture left out: Python's ``random`` is unseeded in
+    most scripts): equal on two runs exactly when what they registered is."""
+    tensors, specs = flatten_state({n: o for n, o in objects.items() if n != "__rng__"})
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(name.encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    digest.update(json.dumps(specs, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def last_state_digest() -> str | None:
+    """The state digest of the last Session this process closed, or None."""
+    return _final.get("state_digest")
 
 
 class _Progress:
@@ -57,16 +83,18 @@ class _Progress:
 
     def __init__(self) -> None:
         self.step_index = 0
+        self.epoch = 0                  # the pass of ``Session.epochs`` running now
         self.extras: dict[str, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step_index": self.step_index, "extras": dict(self.extras)}
+        return {"step_index": self.step_index, "epoch": self.epoch, "extras": dict(self.extras)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Roll back to ``state``: the extras dict keeps its identity and ends up holding
         exactly the captured keys; a dict, list or same-shaped tensor value is refilled in
         place (references the script holds see the restored content)."""
         self.step_index = int(state["step_index"])
+        self.epoch = int(state.get("epoch", 0))   # snapshots older than epochs hold none
         restored = state.get("extras", {})  # snapshots older than extras hold none
         for key in [k for k in self.extras if k not in restored]:
             del self.extras[key]
@@ -129,6 +157,7 @@ class Session:
         self._agreement: tuple[Any, torch.Tensor] | None = None   # see _agree_interval
         self._verifier: ReplicaVerifier | None = None    # detection.compare_replicas
         self._replays = ReplayMarker()     # steps at or below the highest done: replays
+        self._in_epochs = False            # the script iterates ``epochs()``
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Session":
@@ -155,14 +184,17 @@ class Session:
                                 [source_from_json(s) for s in restore["sources"]], ctx.generation)
             self._awaiting_first_step = True
         if not ctx.standalone_run:
-            self._collective = Collective(lambda: connect_store(ctx, ctx.group_timeout_s),
-                                          ctx.rank, ctx.world_size, ctx.group_timeout_s)
+            # the process's collective: the script's init_process_group() may have formed it
+            self._collective = process_collective(ctx)
             try:
-                self._collective.form(ctx.generation, should_abort=self._superseded(ctx.generation))
+                if self._collective.generation < 0:
+                    self._collective.form(ctx.generation,
+                                          should_abort=self._superseded(ctx.generation))
             except CollectiveAborted as exc:  # e.g. a second node died while this rank started
                 if self._watcher is None:
                     raise
                 self._recover(str(exc))
+            self._attach_default_group()
         if self._membership is not None:
             self._membership.join(self._record(), ctx.lease_ttl_s)
             self._heartbeat = Heartbeat(
@@ -173,6 +205,33 @@ class Session:
             write_memory_map(ctx.run_dir, ctx.rank, ctx.worker_id, self.generation, self._objects)
         self._started = True
         return self
+
+    def _attach_default_group(self) -> None:
+        """From now on a failed collective on the default group (the script's DDP, its
+        ``dist.all_reduce``) completes as a no-op and rolls the step back, and a joining
+        rank's set-up collectives are over."""
+        collective = self._collective
+        assert collective is not None
+        watcher = self._watcher
+        collective.superseded = lambda: watcher is not None and watcher.newer_than(
+            self.generation)
+        collective.absorb_faults = watcher is not None
+        group = default_group()
+        if group is not None:
+            group.started()
+
+    def _group_fault(self) -> str | None:
+        """Why the default group failed in this generation, or None."""
+        return None if self._collective is None else self._collective.fault
+
+    def _before_optimizer_step(self) -> None:
+        """An optimizer step waits for the snapshot copy and never applies gradients
+        whose reduction failed (DDP's buckets in flight when a peer died)."""
+        if self._snapshotter is not None:
+            self._snapshotter.wait_for_copy()
+        fault = self._group_fault()
+        if fault is not None:
+            raise CollectiveAborted(f"optimizer step refused: {fault}")
 
     def _start_snapshots(self) -> None:
         ctx = self.context
@@ -209,12 +268,15 @@ class Session:
         """Snapshots copy the live tensors in the background while the next step's forward
         and backward run: an optimizer step, and the forward of a module that updates
         buffers in place (BatchNorm statistics), first wait for that copy to finish."""
+        if isinstance(obj, torch.optim.Optimizer):
+            if not getattr(obj, "_phalanx_hooked", False):
+                obj.register_step_pre_hook(lambda *_: self._before_optimizer_step())
+                obj._phalanx_hooked = True   # type: ignore[attr-defined]
+            return
         snapshotter = self._snapshotter
         if snapshotter is None:
             return
-        if isinstance(obj, torch.optim.Optimizer):
-            obj.register_step_pre_hook(lambda *_: snapshotter.wait_for_copy())
-        elif isinstance(obj, torch.nn.Module) and any(True for _ in obj.buffers()):
+        if isinstance(obj, torch.nn.Module) and any(True for _ in obj.buffers()):
             obj.register_forward_pre_hook(lambda *_: snapshotter.wait_for_copy())
 
     def close(self) -> None:
@@ -222,6 +284,10 @@ class Session:
         dropped with the process (never destroyed: that can block on a dead peer)."""
         self._stop.set()
         self._wake.set()
+        if self._collective is not None:   # nothing rolls back after the session
+            self._collective.absorb_faults = False
+        if self._started:
+            _final["state_digest"] = state_digest(self._objects)
         if self._snapshotter is not None:
             try:
                 self._snapshotter.close()
@@ -306,11 +372,42 @@ class Session:
         for name, obj in objects.items():
             if name in self._objects or name in self.extras or name.startswith("__"):
                 raise ValueError(f"state {name!r} is already registered or reserved")
+            if isinstance(obj, DataLoader):    # its position: phalanx.runtime.worker.data
+                obj = LoaderPosition(obj, self._recover_if_faulted, lambda: self._in_epochs)
             if object_kind(obj) == "value":
                 self.extras[name] = obj
                 continue
             self._objects[name] = obj
             self._hook_optimizer(obj)
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """``for epoch in session.epochs(n):`` in place of ``range(n)``: yields the epochs
+        still to run, from the restored one after a restart, and re-enters an earlier
+        epoch when a recovery rolled the state back into it (a registered DataLoader then
+        resumes that epoch at the restored batch). The epoch is part of every snapshot."""
+        if not self._started:
+            self.start()
+        self._in_epochs = True
+        try:
+            while self._progress.epoch < count:
+                epoch = self._progress.epoch
+                yield epoch
+                if self._progress.epoch == epoch:   # else a restore moved it: re-enter
+                    self._progress.epoch = epoch + 1
+        finally:
+            self._in_epochs = False
+
+    @property
+    def epoch(self) -> int:
+        """The epoch ``epochs()`` is in (restored with the state)."""
+        return self._progress.epoch
+
+    def _recover_if_faulted(self) -> None:
+        """Before a registered loader's next batch: a collective that failed outside a
+        step (an evaluation pass) rolls back now, before the batch is fetched."""
+        fault = self._group_fault()
+        if fault is not None and self._watcher is not None:
+            self._recover(fault)
 
     @contextmanager
     def step(self) -> Iterator[int]:
@@ -349,11 +446,22 @@ class Session:
             self._capture(snapshotter)  # the initial state
             if self._verifier is not None:
                 self._verifier.note_capture(self._progress.step_index)
+        self._recover_if_faulted()      # a collective failed outside a step (evaluation)
         started = time.perf_counter()
         try:
             yield self._progress.step_index
         except CollectiveAborted as exc:
             self._recover(str(exc))
+            return
+        except Exception as exc:   # a step that used a failed collective's no-op result
+            fault = self._group_fault()
+            if fault is None:
+                raise
+            log.warning("event=step_failed_after_fault rank=%d error=%r", self.rank, exc)
+            self._recover(fault)
+            return
+        if (fault := self._group_fault()) is not None:   # a DDP bucket failed: roll back
+            self._recover(fault)
             return
         self._progress.step_index += 1
         self._log_step(self._progress.step_index - 1, time.perf_counter() - started)

@@ -1,0 +1,111 @@
+"""examples/ddp_torchrun.py made fault tolerant: a Session, the state registered (the
+DataLoader too: its position), ``session.epochs`` for ``range`` and ``session.step()``
+around the step. Everything else (init_process_group, DDP, DistributedSampler, the
+evaluation all-reduce) is the torchrun script's own:
+
+    phalanx run --nnodes 2 --nproc-per-node 2 --spares 1 examples/ddp_phalanx.py
+    phalanx drill run configs/drills/kill_worker.yaml --config configs/ddp.yaml --verify
+
+``diff examples/ddp_torchrun.py examples/ddp_phalanx.py`` shows the port (docs/porting.md).
+"""
+import argparse
+import hashlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import phalanx
+
+
+class Regression(Dataset):
+    """Synthetic samples with random noise drawn when a sample is loaded (augmentation)."""
+
+    def __init__(self, size, seed):
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, 16, generator=gen)
+        self.y = torch.sin(self.x.sum(dim=1, keepdim=True))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.01 * torch.randn(16), self.y[i]
+
+
+def make_model(batchnorm):
+    norm = nn.BatchNorm1d(64) if batchnorm else nn.Identity()
+    return nn.Sequential(nn.Linear(16, 64), norm, nn.Tanh(), nn.Linear(64, 1))
+
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batchnorm", action="store_true")
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
+    parser.add_argument("--out", default="", help="write the final hash to OUT.rank<r>")
+    return parser.parse_args()
+
+
+def evaluate(model, loader):
+    model.eval()
+    total = torch.zeros(2)
+    with torch.no_grad():
+        for x, y in loader:
+            total += torch.stack([nn.functional.mse_loss(model(x), y, reduction="sum"),
+                                  torch.tensor(float(len(x)))])
+    dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def finish(model, out):
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                     for p in model.parameters())).hexdigest()
+    print(f"rank {dist.get_rank()} final parameter hash {digest}", flush=True)
+    if out:
+        with open(f"{out}.rank{dist.get_rank()}", "w") as f:
+            f.write(digest)
+
+
+def main():
+    args = parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    data = Regression(args.samples, seed=1)
+    sampler = DistributedSampler(data, shuffle=True, seed=2)
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
+                        num_workers=args.workers)
+    test_loader = DataLoader(Regression(64, seed=3), batch_size=32)
+    model = DDP(make_model(args.batchnorm))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    session = phalanx.Session()
+    session.register(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
+    with session:
+        for epoch in session.epochs(args.epochs):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                with session.step():
+                    optimizer.zero_grad()
+                    loss = nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    optimizer.step()
+                    time.sleep(args.sleep)
+            scheduler.step()
+            test_loss = evaluate(model, test_loader)
+            if dist.get_rank() == 0:
+                print(f"epoch {epoch} test loss {test_loss:.5f}", flush=True)
+    finish(model, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""A torchrun-style DDP training script (CPU/gloo), as people write it: init_process_group,
+DistributedDataParallel, a DataLoader over a DistributedSampler with shuffling and worker
+processes, an epoch loop with an evaluation pass. It knows nothing about phalanx:
+
+    torchrun --nproc-per-node 2 examples/ddp_torchrun.py --epochs 3
+    phalanx run --nnodes 2 --nproc-per-node 1 examples/ddp_torchrun.py --epochs 3
+
+Both print (and with ``--out PREFIX`` write to ``PREFIX.rank<r>``) the sha256 of the final
+parameters. ``examples/ddp_phalanx.py`` is the same job made fault tolerant.
+"""
+import argparse
+import hashlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class Regression(Dataset):
+    """Synthetic samples with random noise drawn when a sample is loaded (augmentation)."""
+
+    def __init__(self, size, seed):
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, 16, generator=gen)
+        self.y = torch.sin(self.x.sum(dim=1, keepdim=True))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.01 * torch.randn(16), self.y[i]
+
+
+def make_model(batchnorm):
+    norm = nn.BatchNorm1d(64) if batchnorm else nn.Identity()
+    return nn.Sequential(nn.Linear(16, 64), norm, nn.Tanh(), nn.Linear(64, 1))
+
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batchnorm", action="store_true")
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
+    parser.add_argument("--out", default="", help="write the final hash to OUT.rank<r>")
+    return parser.parse_args()
+
+
+def evaluate(model, loader):
+    model.eval()
+    total = torch.zeros(2)
+    with torch.no_grad():
+        for x, y in loader:
+            total += torch.stack([nn.functional.mse_loss(model(x), y, reduction="sum"),
+                                  torch.tensor(float(len(x)))])
+    dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def finish(model, out):
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                     for p in model.parameters())).hexdigest()
+    print(f"rank {dist.get_rank()} final parameter hash {digest}", flush=True)
+    if out:
+        with open(f"{out}.rank{dist.get_rank()}", "w") as f:
+            f.write(digest)
+
+
+def main():
+    args = parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    data = Regression(args.samples, seed=1)
+    sampler = DistributedSampler(data, shuffle=True, seed=2)
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
+                        num_workers=args.workers)
+    test_loader = DataLoader(Regression(64, seed=3), batch_size=32)
+    model = DDP(make_model(args.batchnorm))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            time.sleep(args.sleep)
+        scheduler.step()
+        test_loss = evaluate(model, test_loader)
+        if dist.get_rank() == 0:
+            print(f"epoch {epoch} test loss {test_loss:.5f}", flush=True)
+    finish(model, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""The default process group of a launched job: the user's own ``init_process_group()``
+(env://, gloo) gets a ``torch.distributed.ProcessGroup`` whose collectives run on the
+current generation's gloo group, so the objects that hold it (``dist.group.WORLD``, a
+DistributedDataParallel module, a sampler) keep working after a recovery re-formed the
+group in place; nobody rebuilds them.
+
+While a Session is attached, a collective that fails (a peer died) or is still waiting
+when a newer generation is announced (a peer hung) completes at once as a no-op and marks
+the generation faulted: DDP's backward finishes with its buckets unreduced, the Session
+refuses the optimizer step that would apply them and rolls the step back
+(``Session.step``). Without a Session (an unmodified torchrun script) a failed collective
+raises, as plain gloo does.
+
+A rank that joins survivors (a promoted spare, a restarted worker) skips the collectives
+its script issues before its Session has started: the survivors passed that set-up long
+ago (DDP's construction-time broadcast, a ``barrier`` after data preparation), and the
+state they would have synchronised is restored from the snapshot instead. Each skipped
+call is logged (``event=setup_collective_skipped``).
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import itertools
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.futures import Future
+
+from phalanx.runtime.context import WorkerContext
+from phalanx.runtime.group.collective import Collective, CollectiveAborted
+from phalanx.runtime.group.process_group import connect_store
+
+log = logging.getLogger(__name__)
+BACKEND = "phalanx"
+_ABORT_POLL_S = 0.005
+# ProcessGroup collectives the group forwards, with the argument a no-op completion
+# returns (the tensors a caller reads back: DDP reads an all-reduce's result list)
+_OPS: dict[str, int] = {
+    "allreduce": 0, "allreduce_coalesced": 0, "broadcast": 0, "reduce": 0,
+    "allgather": 0, "_allgather_base": 0, "allgather_coalesced": 0,
+    "allgather_into_tensor_coalesced": 0, "gather": 0, "scatter": 0, "reduce_scatter": 0,
+    "_reduce_scatter_base": 0, "reduce_scatter_tensor_coalesced": 0, "alltoall": 0,
+    "alltoall_base": 0, "send": 0, "recv": 0, "recv_anysource": 0, "barrier": -1,
+}
+_world: dict[str, Any] = {}     # this process's collective and default group
+
+
+class _FutureWork(dist.Work):
+    """A Work that is done when its future is (DDP waits on ``get_future()``)."""
+
+    def __init__(self, future: Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> Future:
+        return self._future
+
+
+def _done(value: Any) -> _FutureWork:
+    future: Future = Future()
+    future.set_result(value)
+    return _FutureWork(future)
+
+
+class DefaultGroup(dist.ProcessGroup):
+    """The job's default group; every collective goes to ``collective.group``, the gloo
+    group of the generation this rank is in."""
+
+    def __init__(self, collective: Collective, skip_setup: bool) -> None:
+        # the (rank, size) constructor of a Python-defined group; the stubs list only the
+        # store-taking one
+        super().__init__(collective.rank, collective.world_size)  # type: ignore[call-arg]
+        self._collective = collective
+        self._skip_setup = skip_setup       # a joining rank, until its Session started
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[Future, Any]] = {}
+        self._tokens = itertools.count()
+        self._monitor: threading.Thread | None = None
+
+    def getBackendName(self) -> str:  # noqa: N802  (torch's name)
+        # not "gloo": DDP's logger would look up a C++ gloo backend inside this group
+        # (dist.get_backend() still answers gloo: see install)
+        return BACKEND
+
+    def started(self) -> None:
+        """The Session joined the job: set-up is over, collectives are real from now on."""
+        self._skip_setup = False
+
+    def monitored_barrier(self, *args: Any) -> None:
+        group = self._collective.group
+        if group is not None and not self._skip_setup:
+            getattr(group, "monitored_barrier")(*args)   # gloo's own, not in the stubs
+
+    def _forward(self, name: str, noop_at: int, *args: Any) -> dist.Work:
+        collective = self._collective
+        noop = args[noop_at] if noop_at >= 0 else []
+        if self._skip_setup:
+            log.info("event=setup_collective_skipped op=%s rank=%d", name, collective.rank)
+            return _done(_as_if_alone(name, args, noop))
+        group = collective.group
+        if collective.fault is not None or group is None:
+            return self._refused(name, noop, collective.fault or "no group formed yet")
+        try:
+            work = getattr(group, name)(*args)
+        except RuntimeError as exc:
+            collective.mark_fault(f"{name} could not start: {exc}")
+            return self._refused(name, noop, str(exc))
+        future: Future = Future()
+        token = next(self._tokens)
+        with self._lock:
+            self._pending[token] = (future, noop)
+        work.get_future().then(functools.partial(self._settle, token, name))
+        if collective.absorb_faults:
+            self._watch()
+        return _FutureWork(future)
+
+    def _refused(self, name: str, noop: Any, reason: str) -> dist.Work:
+        if self._collective.absorb_faults:
+            return _done(noop)
+        raise CollectiveAborted(f"{name} on the default group: {reason}")
+
+    def _settle(self, token: int, name: str, inner: Future) -> None:
+        with self._lock:
+            entry = self._pending.pop(token, None)
+        if entry is None:          # already completed by an abort
+            return
+        future, noop = entry
+        try:
+            value = inner.value()
+        except Exception as exc:  # the gloo thread's boundary: a peer failed
+            self._collective.mark_fault(f"{name} failed: {exc}")
+            if self._collective.absorb_faults:
+                future.set_result(noop)
+            else:
+                future.set_exception(exc)
+            return
+        future.set_result(value)
+
+    def _watch(self) -> None:
+        """Complete every pending collective as a no-op once a newer generation is
+        announced (a hung peer never fails the call itself); one thread, only while
+        collectives are pending."""
+        with self._lock:
+            if self._monitor is not None and self._monitor.is_alive():
+                return
+            self._monitor = threading.Thread(target=self._abort_when_superseded,
+                                             name="phalanx-default-group", daemon=True)
+            self._monitor.start()
+
+    def _abort_when_superseded(self) -> None:
+        collective = self._collective
+        stop = threading.Event()
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._monitor = None
+                    return
+                superseded = collective.superseded()
+                aborted = list(self._pending.values()) if superseded else []
+                if superseded:
+                    self._pending.clear()
+            if superseded:
+                collective.mark_fault("a newer generation began while a collective waited")
+                for future, noop in aborted:
+                    future.set_result(noop)
+                continue
+            stop.wait(_ABORT_POLL_S)
+
+
+def _forwarder(name: str, noop_at: int) -> Callable[..., dist.Work]:
+    def op(self: DefaultGroup, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._forward(name, noop_at, *args, *kwargs.values())
+    op.__name__ = name
+    return op
+
+
+for _name, _at in _OPS.items():
+    setattr(DefaultGroup, _name, _forwarder(_name, _at))
+
+
+def _as_if_alone(name: str, args: tuple, noop: Any) -> Any:
+    """A skipped set-up collective's result as if every rank held this rank's values: an
+    all-gather's outputs are copies of its input (DDP's parameter-shape check passes)."""
+    if name == "allgather":
+        outputs, inputs = args[0], args[1]
+        for slots, tensor in zip(outputs, inputs):
+            for slot in slots:
+                slot.copy_(tensor)
+    elif name == "_allgather_base":
+        output, tensor = args[0], args[1]
+        output.copy_(tensor.reshape(1, -1).expand(output.numel() // max(tensor.numel(), 1), -1)
+                     .reshape(output.shape))
+    return noop
+
+
+class _InitialBuckets:
+    """A DDP reducer, seen by ``DistributedDataParallel._pre_forward``, that never rebuilds
+    its buckets. DDP re-buckets once, in its second iteration, by the order gradients
+    became ready on rank 0, and broadcasts that layout: a rank that joins survivors later
+    would start from the construction-time layout while they use the rebuilt one, and its
+    first all-reduce would sum misaligned buckets. Every rank of a phalanx job keeps the
+    construction-time layout (reverse parameter order, DDP's own first guess), the same
+    on every rank in every generation. The reducer's record of ready parameters, which
+    only a rebuild would consume, is cleared instead of growing."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        self._reducer._reset_state()
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def _patch_ddp() -> None:
+    """DDP modules on the default group keep their construction-time bucket layout
+    (``_InitialBuckets``); with ``static_graph`` or ``find_unused_parameters`` DDP's own
+    behaviour stays, and a joining rank logs that it may mismatch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = getattr(DistributedDataParallel._pre_forward, "__wrapped__",
+                       DistributedDataParallel._pre_forward)
+
+    @functools.wraps(original)
+    def _pre_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reducer = self.reducer
+        if (not isinstance(getattr(self, "process_group", None), DefaultGroup)
+                or self.static_graph or self.find_unused_parameters):
+            return original(self, *args, **kwargs)
+        self.reducer = _InitialBuckets(reducer)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.reducer = reducer
+
+    _pre_forward.__wrapped__ = original
+    DistributedDataParallel._pre_forward = _pre_forward   # type: ignore[method-assign]
+
+
+def process_collective(ctx: WorkerContext) -> Collective:
+    """This process's collective (one per worker, shared by the default group and the
+    Session), created on first use."""
+    key = (ctx.job, ctx.worker_id, ctx.rank, ctx.master_addr, ctx.master_port)
+    if _world.get("key") != key:      # another rank in this process (tests): a new one
+        _world.clear()
+        _world.update(key=key, context=ctx,
+                      collective=Collective(lambda: connect_store(ctx, ctx.group_timeout_s),
+                                            ctx.rank, ctx.world_size, ctx.group_timeout_s))
+    return _world["collective"]
+
+
+def default_group() -> DefaultGroup | None:
+    """The default group built by the user's ``init_process_group()``, or None."""
+    return _world.get("group")
+
+
+def reset() -> None:
+    """Forget this process's collective and group (a worker actor runs one rank per
+    process; tests reuse processes)."""
+    _world.clear()
+
+
+def install(ctx: WorkerContext) -> None:
+    """Make the worker's ``torch.distributed.init_process_group`` build the default group
+    on phalanx (gloo or no backend, env:// or no init method); any other backend keeps
+    torch's own path, a client of the launcher's store (``TORCHELASTIC_USE_AGENT_STORE``)
+    with no recovery in place. Sets torchrun's environment for those paths."""
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+    original = getattr(c10d.init_process_group, "__wrapped__", c10d.init_process_group)
+
+    @functools.wraps(original)
+    def init_process_group(backend: str | None = None, init_method: str | None = None,
+                           timeout: datetime.timedelta | None = None, world_size: int = -1,
+                           rank: int = -1, store: dist.Store | None = None,
+                           **kwargs: Any) -> None:
+        if not _ours(backend, init_method, store):
+            log.warning("event=default_group_not_resilient backend=%s init_method=%s: only "
+                        "gloo over env:// is re-formed in place after a fault", backend,
+                        init_method)
+            original(backend, init_method, timeout, world_size, rank, store, **kwargs)
+            return
+        if (world_size not in (-1, ctx.world_size)) or (rank not in (-1, ctx.rank)):
+            raise ValueError(f"init_process_group(rank={rank}, world_size={world_size}) "
+                             f"disagrees with the launcher's RANK={ctx.rank} WORLD_SIZE="
+                             f"{ctx.world_size}; leave them out (env:// reads them)")
+        collective = process_collective(ctx)
+        if collective.generation < 0:
+            collective.form(ctx.generation)
+        kwargs.pop("device_id", None)     # a CPU group binds no device
+        original(BACKEND, None, timeout, ctx.world_size, ctx.rank, collective.store, **kwargs)
+        group = c10d._get_default_group()
+        backend_name, group_store = c10d._world.pg_map[group]
+        # shown as gloo (dist.get_backend, subgroups made with the default backend)
+        c10d._world.pg_map[group] = ("gloo", group_store)
+        _world["group"] = group
+
+    init_process_group.__wrapped__ = original
+    setattr(dist, "init_process_group", init_process_group)
+    setattr(c10d, "init_process_group", init_process_group)
+    _patch_ddp()
+    process_collective(ctx)
+
+
+def _ours(backend: str | None, init_method: str | None, store: dist.Store | None) -> bool:
+    name = (backend or "gloo").lower()
+    return (name in ("gloo", "cpu:gloo", BACKEND) and store is None
+            and init_method in (None, "env://"))
+
+
+def _create(store: dist.Store, rank: int, world_size: int,
+            timeout: datetime.timedelta) -> DefaultGroup:
+    """The backend's creator: the default group over this process's collective."""
+    ctx: WorkerContext = _world["context"]
+    restore = ctx.extra.get("restore")
+    joining = isinstance(restore, dict) and bool(restore.get("joins_survivors"))
+    collective = process_collective(ctx)
+    return DefaultGroup(collective, skip_setup=joining and not collective.absorb_faults)
+

@@ -1,0 +1,277 @@
+"""The input position of a registered DataLoader: after a rollback or a promotion the
+script's own ``for batch in loader:`` resumes at the exact next batch of the restored
+step, with the same shuffle order and the same worker seeds, so the replayed steps see the
+batches the fault-free run saw.
+
+    session.register(model=model, optimizer=opt, loader=loader)
+    with session:
+        for epoch in session.epochs(num_epochs):   # was: for epoch in range(num_epochs)
+            sampler.set_epoch(epoch)
+            for x, y in loader:                    # unchanged
+                with session.step():
+                    ...
+
+A registered loader's iterators check, before each batch, whether a restore happened since
+they last did: inside the same pass they rebuild themselves at the restored position; a
+restore into another pass ends the pass, and ``session.epochs`` re-enters the restored
+epoch, whose first ``iter(loader)`` resumes mid-epoch. A failed collective outside a step
+(an evaluation pass's all-reduce) is recovered there, before the next batch is fetched.
+
+How the position is captured:
+- ``torchdata.stateful_dataloader.StatefulDataLoader``: its own ``state_dict()`` (sampler
+  position, worker states, base seed);
+- a plain ``torch.utils.data.DataLoader`` (any map-style sampler, ``DistributedSampler``
+  with shuffle, worker processes): the pass number, the batches yielded in it and the RNG
+  state the pass started from (its worker seeds and a ``RandomSampler``'s order are drawn
+  from it); the restored pass skips the yielded batches' indices in the sampler, without
+  loading them. An iterable dataset is fast-forwarded by loading and dropping batches.
+
+Rebuilding an iterator never moves the process's RNG: its draws are undone, so the
+restored RNG state is exactly the one captured at the restored step.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import random
+import sys
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from phalanx.configs.errors import PhalanxError
+
+log = logging.getLogger(__name__)
+_CLASSES: dict[type, type] = {}
+
+
+class LoaderPositionLost(PhalanxError):
+    """A restore moved a registered loader back into an earlier pass (epoch) while the
+    script's own epoch loop cannot follow it."""
+
+    def __init__(self, current: int, restored: int) -> None:
+        super().__init__(f"a recovery rolled the registered DataLoader back from pass "
+                         f"{current} to pass {restored}, but the epoch loop is not "
+                         f"session.epochs(): it would go on in the wrong epoch. Write the "
+                         f"loop as `for epoch in session.epochs(num_epochs):`")
+
+
+class LoaderPosition:
+    """Registered in the Session's state for a DataLoader (``Session.register`` makes it):
+    ``state_dict`` is the loader's position, ``load_state_dict`` a pending restore that the
+    live iterator or the next ``iter(loader)`` applies."""
+
+    def __init__(self, loader: DataLoader, on_next: Callable[[], None],
+                 epochs_driven: Callable[[], bool]) -> None:
+        self.loader = loader
+        self._base: Any = type(loader)     # the loader's own class (before the swap)
+        self.stateful = callable(getattr(loader, "state_dict", None))
+        self.on_next = on_next          # the Session's check for a fault outside a step
+        self.epochs_driven = epochs_driven   # the script iterates ``session.epochs``
+        self.passes = -1                # index of the current pass (iter() calls)
+        self.yielded = 0                # batches yielded in the current pass
+        self.start_rng: torch.Tensor | None = None
+        self.start_generator: torch.Tensor | None = None
+        self.pending: dict[str, Any] | None = None   # a restore not yet applied
+        self.restores = 0               # how many restores were loaded (iterators compare)
+        if not self.stateful:
+            _wrap_index_sampler(loader, self)
+        if loader.num_workers > 0 and not isinstance(loader.dataset, IterableDataset):
+            # DataLoader refuses to re-set its dataset after construction
+            object.__setattr__(loader, "dataset", SeededSamples(loader.dataset))
+        _make_resumable(loader, self)
+
+    # -- snapshot side ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"pass": self.passes, "yielded": self.yielded}
+        if self.stateful:
+            state["inner"] = self._base.state_dict(self.loader)
+        else:
+            state["rng"] = self.start_rng if self.start_rng is not None else torch.get_rng_state()
+            if self.start_generator is not None:
+                state["generator"] = self.start_generator
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = dict(state)
+        self.restores += 1
+
+    # -- iterator side ---------------------------------------------------------------
+    def begin_pass(self) -> Iterator[Any]:
+        """A new ``iter(loader)``: the pending restore's pass, else the next pass."""
+        if self.pending is not None:
+            state, self.pending = self.pending, None
+            self.passes, self.yielded = int(state["pass"]), int(state["yielded"])
+            return self._build(state)
+        self.passes += 1
+        self.yielded = 0
+        return self._build(None)
+
+    def _build(self, restored: dict[str, Any] | None) -> Iterator[Any]:
+        """The underlying iterator, created without moving the process's RNG when it
+        replays a pass (its seeds come from the pass's start state)."""
+        loader = self.loader
+        generator = loader.generator
+        now = torch.get_rng_state()
+        now_generator = generator.get_state() if generator is not None else None
+        base_iter = self._base.__iter__
+        if restored is None:
+            self.start_rng = now
+            self.start_generator = now_generator
+            return base_iter(loader)
+        try:
+            if self.stateful:
+                self._base.load_state_dict(loader, restored["inner"])
+                return base_iter(loader)
+            self.start_rng = restored["rng"]
+            self.start_generator = restored.get("generator")
+            torch.set_rng_state(self.start_rng)
+            if generator is not None and self.start_generator is not None:
+                generator.set_state(self.start_generator)
+            self.skip = self.yielded     # every iter(sampler) while it is built skips
+            it = base_iter(loader)
+            if isinstance(loader.dataset, IterableDataset):   # no sampler to skip in
+                for _ in range(self.yielded):
+                    next(it)
+            return it
+        finally:
+            self.skip = 0
+            if restored is not None:
+                torch.set_rng_state(now)
+                if generator is not None and now_generator is not None:
+                    generator.set_state(now_generator)
+
+    skip = 0   # batches the sampler skips while a replayed pass's iterator is built
+
+
+class _ResumingIterator:
+    """The iterator a registered loader hands out: one pass, repositioned by restores."""
+
+    def __init__(self, position: LoaderPosition) -> None:
+        self._position = position
+        self._inner = position.begin_pass()
+        self._pass = position.passes
+        self._restores = position.restores
+
+    def __iter__(self) -> "_ResumingIterator":
+        return self
+
+    def __len__(self) -> int:
+        return len(self._position.loader)
+
+    def __next__(self) -> Any:
+        position = self._position
+        position.on_next()
+        if position.restores != self._restores:
+            self._restores = position.restores
+            assert position.pending is not None
+            restored_pass = int(position.pending["pass"])
+            if restored_pass != self._pass:
+                if not position.epochs_driven():
+                    raise LoaderPositionLost(self._pass, restored_pass)
+                log.info("event=loader_pass_ended pass=%d restored_pass=%d", self._pass,
+                         restored_pass)
+                raise StopIteration      # the epochs loop re-enters the restored pass
+            self._inner = position.begin_pass()
+        batch = next(self._inner)
+        position.yielded += 1
+        return batch
+
+
+def _make_resumable(loader: DataLoader, position: LoaderPosition) -> None:
+    """Give this loader object an ``__iter__`` that returns a ``_ResumingIterator`` (a
+    subclass of its own class made once per class; nothing else about it changes)."""
+    cls = type(loader)
+    sub = _CLASSES.get(cls)
+    if sub is None:
+        def __iter__(self: DataLoader) -> Iterator[Any]:
+            return _ResumingIterator(getattr(self, "_phalanx_position"))
+        sub = type(cls.__name__, (cls,), {"__iter__": __iter__,
+                                          "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _CLASSES[cls] = sub
+    object.__setattr__(loader, "_phalanx_position", position)
+    object.__setattr__(loader, "__class__", sub)
+
+
+class _SkippingSampler:
+    """The loader's index sampler (its batch sampler, or its sampler without batching),
+    skipping the indices of the batches a restored pass already yielded. It draws the
+    wrapped sampler's first element when the pass starts (so a ``RandomSampler``'s order is
+    drawn at ``iter(loader)``, inside the replay's RNG window)."""
+
+    def __init__(self, inner: Any, position: LoaderPosition) -> None:
+        self.inner = inner
+        self._position = position
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":            # not set yet (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.inner)
+        skip = self._position.skip   # a multi-worker iterator calls iter() twice
+        if skip:
+            it = itertools.islice(it, skip, None)
+        first = list(itertools.islice(it, 1))
+        return itertools.chain(first, it)
+
+
+def _wrap_index_sampler(loader: DataLoader, position: LoaderPosition) -> None:
+    if isinstance(loader.dataset, IterableDataset):
+        return
+    name = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+    # DataLoader refuses to re-set its samplers after construction; this keeps the same
+    # sampler object inside (set_epoch and attributes reach it through __getattr__)
+    object.__setattr__(loader, name, _SkippingSampler(getattr(loader, name), position))
+
+
+class SeededSamples(Dataset):
+    """A map-style dataset whose samples, loaded in a worker process, draw their randomness
+    (torch, ``random``, numpy) from a seed of the pass and the sample index alone: a
+    replayed pass, whose skipped batches no worker loads, sees every sample augmented as
+    the fault-free run did, whichever worker loads it. In the main process
+    (``num_workers=0``) nothing is reseeded: the samples draw from the training RNG, which
+    the restore already put back."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":            # not set yet (unpickling in a worker)
+            raise AttributeError(name)
+        if name == "__getitems__":     # a batched fetch: seeded by the batch's indices
+            batched = getattr(self.inner, name)
+
+            def getitems(indices: list) -> Any:
+                _seed_sample(tuple(indices))
+                return batched(indices)
+            return getitems
+        return getattr(self.inner, name)
+
+    def __getitem__(self, index: Any) -> Any:
+        _seed_sample(index)
+        return self.inner[index]
+
+
+def _seed_sample(index: Any) -> None:
+    info = get_worker_info()
+    if info is None:
+        return
+    pass_seed = info.seed - info.id       # the pass's base seed, the same in every worker
+    seed = int.from_bytes(hashlib.blake2b(f"{pass_seed}:{index}".encode(),
+                                          digest_size=8).digest(), "little") >> 1
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
