@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import traceback
@@ -35,6 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--standby", action="store_true",
                         help="stand by for a job another launcher leads and take it over when "
                         "that launcher stops (needs coordinator.standby: true)")
+    run = sub.add_parser("run", help="run a training script like torchrun, with no YAML: "
+                         "phalanx run --nnodes 2 --nproc-per-node 2 train.py --lr 0.1",
+                         description="Run SCRIPT as __main__ on every rank with ARGS, like "
+                         "`torchrun`; every other setting is the embedded default, a --config "
+                         "file's or a --set override's.")
+    run.add_argument("--nnodes", type=int, default=1, help="nodes (virtual nodes of this "
+                     "machine's local Ray; default 1)")
+    run.add_argument("--nproc-per-node", type=int, default=1,
+                     help="ranks per node (default 1)")
+    run.add_argument("--spares", type=int, default=0, help="warm spares (default 0)")
+    run.add_argument("--name", default="", help="job name (default: the script's name)")
+    run.add_argument("--config", default=None, help="a YAML config to start from")
+    run.add_argument("--set", dest="overrides", action="append", default=[],
+                     metavar="KEY=VALUE", help="override a config key (repeatable)")
+    run.add_argument("script", help="the training script (run as __main__)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
     status = sub.add_parser("status", help="show members, snapshots and the commit point of a "
                             "running job, or the summary of a finished one")
     status.add_argument("run_dir", nargs="?", help="run directory (default: the newest run)")
@@ -57,6 +74,10 @@ def _command(args: argparse.Namespace, console: Console) -> int:
     """Run the parsed command; every error becomes a message and an exit code."""
     try:
         if args.command == "launch":
+            return _launch(args, console)
+        if args.command == "run":
+            args.standby = False
+            args.overrides = [*run_overrides(args), *args.overrides]
             return _launch(args, console)
         if args.command == "drill":
             from phalanx.launcher.drills.commands import run_drill_command
@@ -89,6 +110,29 @@ def _command(args: argparse.Namespace, console: Console) -> int:
         console.print(traceback.format_exc(), highlight=False, markup=False)
         return EXIT_FAILED
     return EXIT_USAGE
+
+
+def run_overrides(args: argparse.Namespace) -> list[str]:
+    """``phalanx run``'s arguments as config overrides (the command line's --set win)."""
+    from pathlib import Path
+
+    for flag, value in (("--nnodes", args.nnodes), ("--nproc-per-node", args.nproc_per_node)):
+        if value < 1:
+            raise ConfigError(flag, f"{value} is below 1", "use 1 or more")
+    if args.spares < 0:
+        raise ConfigError("--spares", f"{args.spares} is negative", "use 0 or more")
+    if not args.script.endswith(".py"):
+        raise ConfigError("script", f"{args.script!r} is not a Python script",
+                          "name a .py file, e.g. phalanx run train.py --lr 0.1",
+                          source="command line")
+    name = args.name or "".join(c if c.isalnum() or c in "-_" else "-"
+                                for c in Path(args.script).stem)
+    values = {"job.entrypoint": args.script, "job.argv": list(args.script_args),
+              "job.world_size": args.nnodes * args.nproc_per_node, "job.nodes": args.nnodes,
+              "ray.virtual_nodes": args.nnodes, "spares.count": args.spares, "job.name": name}
+    if args.nnodes < 2:           # no other node to hold a replica
+        values["replication.factor"] = 0
+    return [f"{key}={json.dumps(value)}" for key, value in values.items()]
 
 
 def final_hash(outcome: dict) -> str | None:

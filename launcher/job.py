@@ -337,7 +337,8 @@ class JobRunner:
             else ("", 0)
         return WorkerContext(
             job=cfg.job.name, rank=slot.rank, world_size=cfg.job.world_size,
-            local_rank=self._local_rank(slot), local_world_size=self._local_world_size(slot),
+            local_rank=assign_local_rank(self._slots, slot),
+            local_world_size=local_world_size(self._slots, slot),
             node=node_name(slot.node),
             worker_id=slot.worker_id, generation=generation, master_addr=services.store_host,
             master_port=services.store.port, etcd_endpoints=tuple(services.etcd_endpoints),
@@ -350,23 +351,6 @@ class JobRunner:
             secret_hex=self.secret_hex, etcd_client=client_fields(cfg.etcd),
             plan_timeout_s=plan_timeout_s(cfg), drills=cfg.drills.active,
             log_format=current_format(), extra={"restore": restore} if restore else {})
-
-    def _local_rank(self, slot: RankSlot) -> int:
-        """torchrun's LOCAL_RANK: the rank's index among its node's processes. A first
-        rank counts the ranks placed on its node before it; a replacement takes the lowest
-        index no other live rank on that node holds (a spare promoted onto a node whose
-        ranks all live gets the next one, as its own device would be)."""
-        taken = {other.local_rank for other in self._slots.values()
-                 if other.node == slot.node and other.rank != slot.rank
-                 and other.local_rank >= 0}
-        slot.local_rank = next(i for i in range(len(taken) + 1) if i not in taken)
-        return slot.local_rank
-
-    def _local_world_size(self, slot: RankSlot) -> int:
-        """torchrun's LOCAL_WORLD_SIZE: how many ranks the node runs (the replacement
-        counted)."""
-        return sum(1 for other in self._slots.values()
-                   if other.node == slot.node and other.rank != slot.rank) + 1
 
     def _new_actor(self, node: int, name: str) -> Any:
         cfg = self.cfg
@@ -592,3 +576,20 @@ def _install_sigterm(stack: contextlib.ExitStack) -> None:
     except ValueError:  # not the main thread: leave signals to the caller
         return
     stack.callback(signal.signal, signal.SIGTERM, previous)
+
+
+def assign_local_rank(slots: Mapping[int, RankSlot], slot: RankSlot) -> int:
+    """torchrun's LOCAL_RANK for ``slot`` (recorded on it): its index among its node's
+    processes. A first rank takes the count of ranks launched on its node before it; a
+    replacement the lowest index no other live rank on that node holds (a spare promoted
+    onto a node whose ranks all live gets the next one, as its own device would be)."""
+    taken = {other.local_rank for other in slots.values()
+             if other.node == slot.node and other.rank != slot.rank and other.local_rank >= 0}
+    slot.local_rank = next(i for i in range(len(taken) + 1) if i not in taken)
+    return slot.local_rank
+
+
+def local_world_size(slots: Mapping[int, RankSlot], slot: RankSlot) -> int:
+    """torchrun's LOCAL_WORLD_SIZE for ``slot``: how many ranks its node runs with it."""
+    return sum(1 for other in slots.values()
+               if other.node == slot.node and other.rank != slot.rank) + 1

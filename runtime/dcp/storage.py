@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,10 +19,11 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from phalanx.configs.errors import SnapshotCorrupt, SnapshotNotFound
+from phalanx.configs.errors import ConfigError, SnapshotCorrupt, SnapshotNotFound
 from phalanx.configs.loader import load_config
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.runtime.base import Tier
+from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.snapshot.checksum import DEFAULT_ALGO
 from phalanx.runtime.dcp.metadata import (NON_TENSOR_HINT, TENSOR, VALUE, PayloadRef, encode_value,
                                           metadata_from_json, metadata_to_json, payload_names)
@@ -33,6 +35,7 @@ from phalanx.runtime.tiers.config import open_tier, read_job_secret
 log = logging.getLogger(__name__)
 
 DCP_FORMAT = 1
+DCP_NAMESPACE = "dcp"     # from_config's steps live under <job>.dcp in the tier
 _OBJECT = "dcp"
 
 # Where one save goes (dcp.save(sd, storage_writer=TieredStorageWriter(tier, step))):
@@ -165,15 +168,17 @@ class TieredStorageWriter(StorageWriter):
         self._buffer: bytearray | None = None      # reused by the next save of this instance
 
     @classmethod
-    def from_config(cls, config: PhalanxConfig | str | os.PathLike, step: int, *,
+    def from_config(cls, config: PhalanxConfig | str | os.PathLike | None, step: int, *,
                     tier: str = "disk", run_dir: str | os.PathLike | None = None,
-                    generation: int = 0) -> "TieredStorageWriter":
-        """A writer on the tier ``tier`` of a phalanx config (a path or a loaded config):
-        the same root, job name, checksum and secret (``security.secret_file``) as the
-        job's own persisted snapshots, so ``phalanx ckpt ls|verify|export`` sees both."""
-        cfg = _config(config)
-        return cls(open_tier(cfg, tier, run_dir=run_dir), step, secret=read_job_secret(cfg),
-                   job=cfg.job.name, generation=generation,
+                    generation: int = 0, namespace: str = DCP_NAMESPACE) -> "TieredStorageWriter":
+        """A writer on the tier ``tier`` of a phalanx config (a path, a loaded config, or
+        None inside a launched job: that job's own config and run directory): the same
+        root, checksum and secret as the job's own persisted snapshots, under the job's
+        ``<job>.dcp`` namespace, which its own checkpoints and retention never touch
+        (``phalanx ckpt ls|verify|export --job <job>.dcp`` shows it)."""
+        cfg, run_dir, secret = _job_config(config, run_dir)
+        return cls(open_tier(cfg, tier, run_dir=run_dir, namespace=namespace), step,
+                   secret=secret, job=cfg.job.name, generation=generation,
                    checksum_algo=cfg.snapshot.checksum,
                    checksum_workers=max(1, torch.get_num_threads()))
 
@@ -340,12 +345,13 @@ class TieredStorageReader(StorageReader):
         self._storage: dict[MetadataIndex, PayloadRef] = {}
 
     @classmethod
-    def from_config(cls, config: PhalanxConfig | str | os.PathLike, step: int, *,
-                    tier: str = "disk",
-                    run_dir: str | os.PathLike | None = None) -> "TieredStorageReader":
+    def from_config(cls, config: PhalanxConfig | str | os.PathLike | None, step: int, *,
+                    tier: str = "disk", run_dir: str | os.PathLike | None = None,
+                    namespace: str = DCP_NAMESPACE) -> "TieredStorageReader":
         """A reader on the tier ``tier`` of a phalanx config (see the writer's)."""
-        cfg = _config(config)
-        return cls(open_tier(cfg, tier, run_dir=run_dir), step, secret=read_job_secret(cfg),
+        cfg, run_dir, secret = _job_config(config, run_dir)
+        return cls(open_tier(cfg, tier, run_dir=run_dir, namespace=namespace), step,
+                   secret=secret,
                    checksum_workers=max(1, torch.get_num_threads()))
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -435,5 +441,23 @@ class TieredStorageReader(StorageReader):
         return _done(None)
 
 
-def _config(config: PhalanxConfig | str | os.PathLike) -> PhalanxConfig:
-    return config if isinstance(config, PhalanxConfig) else load_config(config)
+def _job_config(config: PhalanxConfig | str | os.PathLike | None,
+                run_dir: str | os.PathLike | None
+                ) -> tuple[PhalanxConfig, str | os.PathLike | None, bytes | None]:
+    """The config, run directory and secret a DCP storage uses: inside a launched job the
+    run's (its ``config.yaml``, its folder, the job secret the workers hold) unless given;
+    outside one, the named config and ``security.secret_file``."""
+    ctx = WorkerContext.from_env()
+    in_job = bool(ctx.run_dir) and not ctx.standalone_run
+    if config is None:
+        if not in_job:
+            raise ConfigError("config", "is None outside a launched job",
+                              "name the job's YAML config, e.g. from_config('job.yaml', step)")
+        config = Path(ctx.run_dir) / "config.yaml"
+    cfg = config if isinstance(config, PhalanxConfig) else load_config(config)
+    if run_dir is None and in_job:
+        run_dir = ctx.run_dir
+    secret = read_job_secret(cfg)
+    if secret is None and in_job and ctx.job == cfg.job.name:
+        secret = ctx.secret
+    return cfg, run_dir, secret

@@ -27,6 +27,7 @@ import os
 import threading
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.futures import Future
@@ -96,6 +97,17 @@ class DefaultGroup(dist.ProcessGroup):
         # not "gloo": DDP's logger would look up a C++ gloo backend inside this group
         # (dist.get_backend() still answers gloo: see install)
         return BACKEND
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices this group serves (``dcp.async_save`` asks for the CPU)."""
+        return [torch.device("cpu")]
+
+    @property
+    def fault_tolerant(self) -> bool:
+        """A Session is attached: failures roll steps back (an unmodified script's group
+        behaves as torchrun's: DDP keeps its own bucket rebuild, failures raise)."""
+        return self._collective.absorb_faults
 
     def started(self) -> None:
         """The Session joined the job: set-up is over, collectives are real from now on."""
@@ -230,9 +242,11 @@ class _InitialBuckets:
 
 
 def _patch_ddp() -> None:
-    """DDP modules on the default group keep their construction-time bucket layout
-    (``_InitialBuckets``); with ``static_graph`` or ``find_unused_parameters`` DDP's own
-    behaviour stays, and a joining rank logs that it may mismatch."""
+    """DDP modules on the default group of a fault-tolerant script (a Session attached)
+    keep their construction-time bucket layout (``_InitialBuckets``). Without a Session,
+    and with ``static_graph`` or ``find_unused_parameters``, DDP is left as it is: its
+    rebuilt layout changes the summation order of a ring all-reduce over 3+ ranks, so
+    an unmodified script ends bit for bit as under torchrun."""
     from torch.nn.parallel import DistributedDataParallel
 
     original = getattr(DistributedDataParallel._pre_forward, "__wrapped__",
@@ -241,9 +255,10 @@ def _patch_ddp() -> None:
     @functools.wraps(original)
     def _pre_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         reducer = self.reducer
-        if (not isinstance(getattr(self, "process_group", None), DefaultGroup)
+        group = getattr(self, "process_group", None)
+        if (not isinstance(group, DefaultGroup) or not group.fault_tolerant
                 or self.static_graph or self.find_unused_parameters):
-            return original(self, *args, **kwargs)
+            return original(self, *args, **kwargs)    # DDP as under torchrun
         self.reducer = _InitialBuckets(reducer)
         try:
             return original(self, *args, **kwargs)

@@ -29,16 +29,19 @@ def disk_tier_root(cfg: PhalanxConfig, run_dir: str | os.PathLike[str] | None) -
 
 
 def open_tier(cfg: PhalanxConfig, name: str = "disk", *,
-              run_dir: str | os.PathLike[str] | None = None) -> Tier:
-    """The tier ``name`` ("disk" or "s3") of ``cfg`` for job ``cfg.job.name``."""
+              run_dir: str | os.PathLike[str] | None = None, namespace: str = "") -> Tier:
+    """The tier ``name`` ("disk" or "s3") of ``cfg`` for job ``cfg.job.name``; a
+    ``namespace`` keeps its steps apart, under ``<job>.<namespace>`` (a name no job can
+    have: its checkpoints and retention never meet those of the job itself)."""
+    job = f"{cfg.job.name}.{namespace}" if namespace else cfg.job.name
     if name == "disk":
-        return DiskTier(disk_tier_root(cfg, run_dir), cfg.job.name)
+        return DiskTier(disk_tier_root(cfg, run_dir), job)
     if name == "s3":
         if not cfg.tiers.s3.bucket:
             raise ConfigError("tiers.s3.bucket", "is empty", "set the bucket the S3 tier uses")
         from phalanx.runtime.tiers.s3 import S3Tier  # boto3 only when an S3 tier is wanted
 
-        return S3Tier(cfg.tiers.s3, cfg.job.name)
+        return S3Tier(cfg.tiers.s3, job)
     raise ConfigError("tier", f"{name!r} is not a tier", f"use one of {list(TIERS)}")
 
 

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 COMMIT_NAME = "COMMIT"
 STEP_RE = re.compile(r"^step_(\d{12})$")
 _WRITE_CHUNK = 16 * 1024 * 1024  # one write(2) call at most; the kernel caps a call near 2 GiB
-_JOB_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+# a job name, optionally with one ".<namespace>" (job names have no dots: DCP's <job>.dcp)
+_JOB_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)?$")
 
 
 # ----------------------------------------------------------------- shared layout helpers
@@ -45,7 +46,8 @@ def rank_file_names(rank: int) -> tuple[str, str]:
 
 
 def validate_job(job: str) -> str:
-    """Reject job names that could escape the tier's root (``..``, ``/``)."""
+    """Reject job names that could escape the tier's root (``..``, ``/``); one
+    ``.namespace`` suffix is allowed (``phalanx.runtime.tiers.config.open_tier``)."""
     if not _JOB_RE.match(job):
         raise ConfigError("job.name", f"{job!r} has characters other than letters, digits, '-' "
                           "and '_'", "it becomes a folder and an S3 key prefix")

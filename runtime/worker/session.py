@@ -65,7 +65,7 @@ def state_digest(objects: dict[str, Any]) -> str:
     tensors, specs = flatten_state({n: o for n, o in objects.items() if n != "__rng__"})
     digest = hashlib.sha256()
     for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
+        tensor = tensors[name].detach().cpu().contiguous().reshape(-1)   # 0-dim too
         digest.update(name.encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     digest.update(json.dumps(specs, sort_keys=True, default=str).encode())

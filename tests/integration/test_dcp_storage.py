@@ -324,8 +324,9 @@ def test_two_rank_gloo_save_async_save_load_and_reshard(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_from_config_writes_where_the_job_and_phalanx_ckpt_look(tmp_path: Path) -> None:
-    """A DCP user names the job's phalanx config: same disk root, job, checksum and secret
-    as the job's own checkpoints, and `phalanx ckpt verify --config` checks the step."""
+    """A DCP user names the job's phalanx config: same disk root, checksum and secret as the
+    job's own checkpoints, in the job's own `<job>.dcp` namespace (never the job's steps),
+    and `phalanx ckpt verify --config --job <job>.dcp` checks the step."""
     secret_file = tmp_path / "secret"
     secret_file.write_bytes(SECRET + b"\n")
     config = tmp_path / "job.yaml"
@@ -335,7 +336,7 @@ def test_from_config_writes_where_the_job_and_phalanx_ckpt_look(tmp_path: Path) 
                       f"security: {{secret_file: '{secret_file}'}}\n")
     model, optim, sd = _trained()
     dcp.save(sd, storage_writer=TieredStorageWriter.from_config(config, 5))
-    manifest = Manifest.from_json((DiskTier(tmp_path / "ckpt", JOB).step_dir(5)
+    manifest = Manifest.from_json((DiskTier(tmp_path / "ckpt", f"{JOB}.dcp").step_dir(5)
                                    / "rank_0.json").read_bytes())
     manifest.verify(SECRET)                          # signed with the config's secret
     assert all(r["checksum"].startswith("blake3:") for r in manifest.tensors.values())
@@ -344,7 +345,8 @@ def test_from_config_writes_where_the_job_and_phalanx_ckpt_look(tmp_path: Path) 
     assert loaded["epoch"] == 3
     _assert_identical((model, optim), (model2, optim2))
     proc = subprocess.run([sys.executable, "-m", "phalanx.launcher.cli", "ckpt", "verify", "--config",
-                           str(config), "--tier", "disk"], capture_output=True, text=True,
+                           str(config), "--tier", "disk", "--job", f"{JOB}.dcp"],
+                          capture_output=True, text=True,
                           timeout=60, cwd=Path(__file__).resolve().parents[2])
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "1/1 ranks OK; HMAC checked" in text, text

@@ -47,10 +47,21 @@ def report_of(result: subprocess.CompletedProcess) -> dict:
     return report
 
 
+# The availability drills run on the torchrun-style DDP script (examples/ddp_phalanx.py:
+# DDP, DataLoader over a shuffling DistributedSampler with workers, epochs, evaluation),
+# two of them with a BatchNorm model whose buffers DDP broadcasts; the others on the demo.
+DDP_ARGV = '["--epochs", "3", "--sleep", "0.05"{}]'
+ON_DDP = {"kill_worker": DDP_ARGV.format(""),
+          "kill_node": DDP_ARGV.format(', "--batchnorm"'),
+          "hang_worker": DDP_ARGV.format(', "--batchnorm"')}
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_shipped_scenario_passes(name: str, run_root: Path, footprint: Footprint) -> None:
-    result = drill("run", f"configs/drills/{name}.yaml", "--verify", run_root=run_root)
+    job = (("--config", "configs/ddp.yaml", "--set", f"job.argv={ON_DDP[name]}")
+           if name in ON_DDP else ())
+    result = drill("run", f"configs/drills/{name}.yaml", "--verify", *job, run_root=run_root)
     assert result.returncode == 0, result.stderr[-5000:]
     report = report_of(result)
     assert report["passed"], report["checks"]
@@ -97,12 +108,29 @@ def check_kill_worker(run: Run) -> None:
     assert record["ranks"] == [1] and record["fault"] == "worker_died"
     assert "Rollback" not in run.named("plan")[0]["actions"], "replicas must have been enough"
     only_survivors_restored(run, {1})
+    ddp_group_reformed_in_place(run, {1})
+
+
+def ddp_group_reformed_in_place(run: Run, replaced: set[int]) -> None:
+    """The DDP script's survivors discarded the step whose buckets failed and re-formed
+    the default group in their own process; the spare skipped the set-up collectives of
+    its DDP construction (the survivors passed them long ago)."""
+    logs = run.logs()
+    for rank in set(range(4)) - replaced:
+        log = logs[f"rank_{rank}_w{rank}-g0"]
+        assert "event=rank_rejoined" in log and "event=default_group_fault" in log, rank
+        assert "optimizer step refused" in log or "event=step_failed_after_fault" in log \
+            or "event=collective_aborted" in log, rank
+    for rank in replaced:
+        (spare,) = [text for name, text in logs.items() if name.startswith(f"rank_{rank}_spare")]
+        assert "event=setup_collective_skipped op=broadcast" in spare
 
 
 def check_hang_worker(run: Run) -> None:
     (record,) = run.named("recovered")
     assert record["ranks"] == [2] and record["fault"] in ("lease_lost", "stalled"), record
     only_survivors_restored(run, {2})
+    ddp_group_reformed_in_place(run, {2})
 
 
 def check_kill_node(run: Run) -> None:

@@ -1,0 +1,77 @@
+"""A torchrun script, unchanged, under ``phalanx run``: PyTorch's DDP tutorial shape
+(examples/ddp_torchrun.py: init_process_group, DDP, DistributedSampler with shuffle, a
+DataLoader with worker processes, epochs, an evaluation all-reduce) started from a user
+project that has its own package named ``configs``. It ends with the parameters it ends
+with under torchrun itself, and its ranks see torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE and
+GROUP_RANK."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.launching import ROOT
+
+pytestmark = pytest.mark.integration
+EXAMPLE = ROOT / "examples" / "ddp_torchrun.py"
+
+WRAPPER = f'''"""The user's entry script: reads its own package `configs`, then runs the example."""
+import json, os, runpy, sys
+from configs.train import EPOCHS           # the user's package, not phalanx.configs
+import configs
+env_out = sys.argv.pop(1)
+with open(f"{{env_out}}.rank{{os.environ['RANK']}}", "w") as f:
+    json.dump({{k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "WORLD_SIZE")}} | {{"configs": configs.__file__}}, f)
+sys.argv[1:1] = ["--epochs", str(EPOCHS)]
+runpy.run_path({str(EXAMPLE)!r}, run_name="__main__")
+'''
+
+
+def project(tmp_path: Path) -> Path:
+    root = tmp_path / "project"
+    (root / "configs").mkdir(parents=True)
+    (root / "configs" / "__init__.py").write_text("")
+    (root / "configs" / "train.py").write_text("EPOCHS = 2\n")
+    (root / "train.py").write_text(WRAPPER)
+    return root
+
+
+def final_hashes(prefix: Path, world: int) -> list[str]:
+    return [Path(f"{prefix}.rank{r}").read_text() for r in range(world)]
+
+
+@pytest.mark.timeout(420)
+def test_an_unchanged_torchrun_script_ends_as_under_torchrun(tmp_path: Path) -> None:
+    root = project(tmp_path)
+    script_args = ["--samples", "256", "--workers", "2"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+         "--master-port", str(port), "train.py", str(tmp_path / "torchrun-env"), *script_args,
+         "--out", str(tmp_path / "torchrun")],
+        cwd=root, capture_output=True, text=True, timeout=180)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    launched = subprocess.run(
+        [sys.executable, "-m", "phalanx.launcher.cli", "run", "--nnodes", "2",
+         "--nproc-per-node", "2", "--set", f"job.run_dir={tmp_path / 'runs'}",
+         "--set", "snapshot.rank_size_mb=1", "--set", "job.cpus_per_worker=0.25",
+         "train.py", str(tmp_path / "phalanx-env"), *script_args,
+         "--out", str(tmp_path / "phalanx")],
+        cwd=root, capture_output=True, text=True, timeout=300)
+    assert launched.returncode == 0, launched.stderr[-5000:]
+    expected = final_hashes(tmp_path / "torchrun", 4)
+    assert len(set(expected)) == 1                      # DDP: every replica the same
+    assert final_hashes(tmp_path / "phalanx", 4) == expected
+    envs = [json.loads(Path(f"{tmp_path / 'phalanx-env'}.rank{r}").read_text()) for r in range(4)]
+    # ranks go round robin over the nodes: node 0 runs ranks 0 and 2, node 1 ranks 1 and 3
+    assert [(e["GROUP_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "2"), ("1", "0", "2"), ("0", "1", "2"), ("1", "1", "2")]
+    assert all(e["WORLD_SIZE"] == "4" for e in envs)
+    assert all(e["configs"] == str(root / "configs" / "__init__.py") for e in envs)

@@ -1,0 +1,94 @@
+"""A registered DataLoader's position (phalanx.runtime.worker.data): a rollback inside a pass
+and one into an earlier pass give the batches, augmentation noise drawn in worker
+processes and training RNG draws of the run without the rollback, for a plain DataLoader
+(DistributedSampler with shuffle and workers, RandomSampler with and without workers) and
+torchdata's StatefulDataLoader. The rollback is what a Session does on recovery: load the
+state captured at the restored step (loader position and RNG) into the live objects."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from phalanx.runtime.worker.data import LoaderPosition, LoaderPositionLost
+
+
+class Augmented(Dataset):
+    """A sample's index plus noise drawn when it is loaded (like a random crop)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index), torch.rand(()).item()])
+
+
+def make(kind: str) -> DataLoader:
+    data = Augmented()
+    if kind == "distributed-workers":
+        sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+        return DataLoader(data, batch_size=4, sampler=sampler, num_workers=2)
+    if kind == "random":
+        return DataLoader(data, batch_size=4, shuffle=True)
+    if kind == "random-workers":
+        return DataLoader(data, batch_size=4, shuffle=True, num_workers=2)
+    return StatefulDataLoader(data, batch_size=4, shuffle=True, num_workers=2)
+
+
+def train(kind: str, rollback: tuple[int, int] | None = None, epochs: int = 3,
+          epochs_driven: bool = True) -> list[tuple[int, int, list, float]]:
+    """Steps of an epoch loop as (step, epoch, batch, a training RNG draw); ``rollback``
+    (at, to): after step ``at`` the state captured after step ``to`` is restored."""
+    torch.manual_seed(0)
+    loader = make(kind)
+    position = LoaderPosition(loader, lambda: None, lambda: epochs_driven)
+    captured: dict[int, Any] = {}
+    seen: list[tuple[int, int, list, float]] = []
+    step = epoch = 0
+    rolled = False
+    while epoch < epochs:
+        current = epoch
+        if kind == "distributed-workers":
+            loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            seen.append((step, current, batch.tolist(), torch.rand(()).item()))
+            step += 1
+            captured[step] = (copy.deepcopy(position.state_dict()), torch.get_rng_state(), epoch)
+            if rollback is not None and step == rollback[0] and not rolled:
+                rolled = True
+                state, rng, epoch = captured[rollback[1]]
+                position.load_state_dict(state)
+                torch.set_rng_state(rng)
+                step = rollback[1]
+                seen = [s for s in seen if s[0] < step]
+        if epoch == current:     # what session.epochs does: advance unless a restore moved it
+            epoch += 1
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["distributed-workers", "random", "random-workers",
+                                  "stateful-workers"])
+def test_rollbacks_replay_the_same_batches_noise_and_rng(kind: str) -> None:
+    reference = train(kind)
+    per_epoch = 5 if kind == "distributed-workers" else 10
+    within = (per_epoch + 3, per_epoch + 1)         # inside the second pass
+    across = (per_epoch + 2, per_epoch - 2)         # from the second pass into the first
+    assert len(reference) == 3 * per_epoch
+    assert train(kind, within) == reference
+    assert train(kind, across) == reference
+
+
+def test_a_rollback_into_an_earlier_pass_needs_session_epochs() -> None:
+    with pytest.raises(LoaderPositionLost, match="session.epochs"):
+        train("random", (12, 8), epochs_driven=False)
+
+
+def test_the_loader_stays_a_dataloader_of_its_own_class() -> None:
+    loader = make("random-workers")
+    LoaderPosition(loader, lambda: None, lambda: True)
+    assert isinstance(loader, DataLoader) and len(loader) == 10
+    assert len(loader.dataset) == 40
