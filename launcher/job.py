@@ -123,6 +123,9 @@ class JobRunner:
                            "started_at": self._started_at,
                            "launcher_host": socket.gethostname()})
             self._use(services, stack)
+            # the ranks' actors first: they import torch and the entrypoint while the
+            # keepers and spares start (start-up time: bench/startup.py)
+            actors = self._create_rank_actors()
             self._start_keepers(services, run, stack)
             events = EventLog(run.path / "events.jsonl", services.membership)
             stack.callback(events.close)     # before the membership closes (LIFO)
@@ -132,7 +135,7 @@ class JobRunner:
             coordinator.fence_initial()
             events.emit("started", world_size=self.cfg.job.world_size, nodes=self.cfg.job.nodes,
                         spares=self.cfg.spares.count)
-            slots = self._start_workers(run)
+            slots = self._start_workers(run, actors)
             if self.keepers:
                 coordinator.place(slots)
             return self._finish(run, slots, coordinator, started)
@@ -382,11 +385,17 @@ class JobRunner:
         return slot.actor.run.remote(ctx.to_env(), args,
                                      str(run.log_path(f"rank_{slot.rank}_{slot.worker_id}")))
 
-    def _start_workers(self, run: RunDir) -> dict[int, RankSlot]:
+    def _create_rank_actors(self) -> dict[int, Any]:
+        """One actor per rank on its node (ranks go round robin), constructing now."""
+        nodes = self.cfg.job.nodes
+        return {rank: self._new_actor(rank % nodes, f"rank{rank}")
+                for rank in range(self.cfg.job.world_size)}
+
+    def _start_workers(self, run: RunDir, actors: Mapping[int, Any]) -> dict[int, RankSlot]:
         slots = {}
         for rank in range(self.cfg.job.world_size):
             node = rank % self.cfg.job.nodes
-            slot = RankSlot(rank, f"w{rank}-g0", node, self._new_actor(node, f"rank{rank}"),
+            slot = RankSlot(rank, f"w{rank}-g0", node, actors[rank],
                             name=f"{self.cfg.job.name}-rank{rank}")
             slots[rank] = slot
         self._slots = slots
