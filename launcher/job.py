@@ -123,14 +123,15 @@ class JobRunner:
                            "started_at": self._started_at,
                            "launcher_host": socket.gethostname()})
             self._use(services, stack)
-            # the ranks' actors first: they import torch and the entrypoint while the
-            # keepers and spares start (start-up time: bench/startup.py)
-            actors = self._create_rank_actors()
+            # keepers, spares, then ranks: starting every actor at once right after Ray
+            # came up (each imports torch) starved the fresh raylets' agents on 2 cores and
+            # Ray lost a node at start-up in 3 of ~40 CI launches; this order spreads it
             self._start_keepers(services, run, stack)
             events = EventLog(run.path / "events.jsonl", services.membership)
             stack.callback(events.close)     # before the membership closes (LIFO)
             self._open_metrics(events, stack)
             pool = self._start_spares(stack)
+            actors = self._create_rank_actors()
             coordinator = self._coordinator(run, services, events, pool)
             coordinator.fence_initial()
             events.emit("started", world_size=self.cfg.job.world_size, nodes=self.cfg.job.nodes,

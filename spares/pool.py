@@ -16,6 +16,7 @@ from phalanx.spares.actor import WorkerActor
 
 log = logging.getLogger(__name__)
 HEALTH_EVERY_S = 1.0      # how often an idle spare is pinged
+PROMOTE_PING_S = 0.3      # the ping of every warm spare when a recovery plans
 
 
 @dataclass
@@ -110,7 +111,29 @@ class SparePool:
             except Exception:  # a spare that died while idle is dropped from the pool
                 warm.discard(refs[ref])
                 self._spares.pop(refs[ref], None)
+        for spare_id in self._dead(warm):
+            warm.discard(spare_id)
+            self._spares.pop(spare_id, None)
         return {spare_id: node for spare_id, node in ready.items() if spare_id in warm}
+
+    def _dead(self, spare_ids: set[str]) -> list[str]:
+        """Of these warm spares, those whose process is gone: one ping each, all at once,
+        at most ``PROMOTE_PING_S`` (a live idle spare answers in milliseconds). The
+        periodic health check may not have pinged a spare killed just before a recovery;
+        promoting it would cost a second recovery. A spare that does not answer in time
+        is kept (busy, not dead)."""
+        pings = {self._spares[i].actor.ping.remote(): i for i in spare_ids}
+        if not pings:
+            return []
+        done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=PROMOTE_PING_S)
+        dead = []
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as exc:  # the spare's process is gone
+                log.warning("event=spare_lost spare=%s error=%r", pings[ref], str(exc)[:200])
+                dead.append(pings[ref])
+        return dead
 
     def readiness(self) -> tuple[int, int]:
         """(warm, starting): spares whose warm-up has returned and those still warming up.

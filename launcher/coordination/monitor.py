@@ -97,11 +97,13 @@ class Monitor:
     def _raised(self, error: WorkerFailed, slot: RankSlot,
                 members: Mapping[str, MemberRecord], now: float) -> WorkerRaised:
         """A rank whose entrypoint raised becomes a fault to recover from, unless
-        ``recovery.on_worker_exception`` is fail or it raised at this step before (a bug
-        that replays, not a fault): then the job fails with the worker's traceback."""
+        ``recovery.on_worker_exception`` is fail, it raised at this step before (a bug
+        that replays, not a fault), or it raised before it ever joined the job (its
+        script's set-up failed: an import, its arguments, a port; a replacement would fail
+        the same way): then the job fails with the worker's own traceback."""
         record = members.get(slot.worker_id)
         key = (slot.rank, record.step if record is not None else -1)
-        if self._on_exception == "fail" or key in self._raised_at:
+        if self._on_exception == "fail" or key in self._raised_at or record is None:
             raise error
         self._raised_at.add(key)
         return WorkerRaised(Rank(slot.rank), f"{error.message}\n{error.traceback_text}", now)

@@ -75,3 +75,21 @@ def test_an_unchanged_torchrun_script_ends_as_under_torchrun(tmp_path: Path) -> 
         ("0", "0", "2"), ("1", "0", "2"), ("0", "1", "2"), ("1", "1", "2")]
     assert all(e["WORLD_SIZE"] == "4" for e in envs)
     assert all(e["configs"] == str(root / "configs" / "__init__.py") for e in envs)
+
+
+@pytest.mark.timeout(240)
+def test_a_script_that_fails_before_training_shows_its_own_error(tmp_path: Path) -> None:
+    """A script's set-up error (its arguments, an import, a port) is the job's error, with
+    the rank's traceback; no recovery is planned for it (a spare would fail the same)."""
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nlr = float(sys.argv[2])\nif lr <= 0:\n"
+                      "    raise ValueError(f'--lr must be positive, got {lr}')\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "phalanx.launcher.cli", "run", "--nnodes", "2", "--spares", "1",
+         "--set", f"job.run_dir={tmp_path / 'runs'}", str(script), "--lr", "-1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "job failed: rank" in proc.stderr and \
+        "ValueError: --lr must be positive, got -1.0" in proc.stderr, proc.stderr[-3000:]
+    assert "PlanInfeasible" not in proc.stderr and "replaced" not in proc.stderr
+    assert "raise ValueError(f'--lr must be positive" in proc.stderr  # its own traceback
