@@ -210,8 +210,9 @@ def reference_hashes(config: str, overrides: Sequence[str], console: Console,
 
 def computation_key(cfg: Any) -> str:
     """What a run's final parameters depend on: the entrypoint (name and file content), its
-    arguments (``job.args``, a script's ``job.argv``), the world size and torch's threads. Placement, spares, snapshots and tiers do not change the
-    result (the master assertion), so drills with different ones share one reference."""
+    arguments (``job.args``, a script's ``job.argv``), the world size and torch's threads.
+    Placement, spares, snapshots and tiers do not change the result (the master
+    assertion), so drills with different ones share one reference."""
     job = cfg.job
     script = Path(job.entrypoint.partition(":")[0])
     what = {"entrypoint": job.entrypoint, "args": job.args, "argv": job.argv,
