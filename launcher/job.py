@@ -123,20 +123,19 @@ class JobRunner:
                            "started_at": self._started_at,
                            "launcher_host": socket.gethostname()})
             self._use(services, stack)
-            # keepers, spares, then ranks: starting every actor at once right after Ray
-            # came up (each imports torch) starved the fresh raylets' agents on 2 cores and
-            # Ray lost a node at start-up in 3 of ~40 CI launches; this order spreads it
+            # keepers, spares, then ranks (_start_workers): starting every actor at once
+            # right after Ray came up (each imports torch) starved the fresh raylets'
+            # agents on 2 cores and Ray lost a node at start-up in 3 of ~40 CI launches
             self._start_keepers(services, run, stack)
             events = EventLog(run.path / "events.jsonl", services.membership)
             stack.callback(events.close)     # before the membership closes (LIFO)
             self._open_metrics(events, stack)
             pool = self._start_spares(stack)
-            actors = self._create_rank_actors()
             coordinator = self._coordinator(run, services, events, pool)
             coordinator.fence_initial()
             events.emit("started", world_size=self.cfg.job.world_size, nodes=self.cfg.job.nodes,
                         spares=self.cfg.spares.count)
-            slots = self._start_workers(run, actors)
+            slots = self._start_workers(run)
             if self.keepers:
                 coordinator.place(slots)
             return self._finish(run, slots, coordinator, started)
@@ -386,17 +385,11 @@ class JobRunner:
         return slot.actor.run.remote(ctx.to_env(), args,
                                      str(run.log_path(f"rank_{slot.rank}_{slot.worker_id}")))
 
-    def _create_rank_actors(self) -> dict[int, Any]:
-        """One actor per rank on its node (ranks go round robin), constructing now."""
-        nodes = self.cfg.job.nodes
-        return {rank: self._new_actor(rank % nodes, f"rank{rank}")
-                for rank in range(self.cfg.job.world_size)}
-
-    def _start_workers(self, run: RunDir, actors: Mapping[int, Any]) -> dict[int, RankSlot]:
+    def _start_workers(self, run: RunDir) -> dict[int, RankSlot]:
         slots = {}
         for rank in range(self.cfg.job.world_size):
             node = rank % self.cfg.job.nodes
-            slot = RankSlot(rank, f"w{rank}-g0", node, actors[rank],
+            slot = RankSlot(rank, f"w{rank}-g0", node, self._new_actor(node, f"rank{rank}"),
                             name=f"{self.cfg.job.name}-rank{rank}")
             slots[rank] = slot
         self._slots = slots

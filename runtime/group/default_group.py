@@ -25,6 +25,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -176,7 +177,6 @@ class DefaultGroup(dist.ProcessGroup):
 
     def _abort_when_superseded(self) -> None:
         collective = self._collective
-        stop = threading.Event()
         while True:
             with self._lock:
                 if not self._pending:
@@ -191,7 +191,7 @@ class DefaultGroup(dist.ProcessGroup):
                 for future, noop in aborted:
                     future.set_result(noop)
                 continue
-            stop.wait(_ABORT_POLL_S)
+            time.sleep(_ABORT_POLL_S)
 
 
 def _forwarder(name: str, noop_at: int) -> Callable[..., dist.Work]:
@@ -323,7 +323,7 @@ def install(ctx: WorkerContext) -> None:
         kwargs.pop("device_id", None)     # a CPU group binds no device
         original(BACKEND, None, timeout, ctx.world_size, ctx.rank, collective.store, **kwargs)
         group = c10d._get_default_group()
-        backend_name, group_store = c10d._world.pg_map[group]
+        _, group_store = c10d._world.pg_map[group]
         # shown as gloo (dist.get_backend, subgroups made with the default backend)
         c10d._world.pg_map[group] = ("gloo", group_store)
         _world["group"] = group

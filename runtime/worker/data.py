@@ -138,10 +138,9 @@ class LoaderPosition:
             return it
         finally:
             self.skip = 0
-            if restored is not None:
-                torch.set_rng_state(now)
-                if generator is not None and now_generator is not None:
-                    generator.set_state(now_generator)
+            torch.set_rng_state(now)
+            if generator is not None and now_generator is not None:
+                generator.set_state(now_generator)
 
     skip = 0   # batches the sampler skips while a replayed pass's iterator is built
 

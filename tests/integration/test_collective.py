@@ -2,7 +2,6 @@
 generation (or a peer that never comes) interrupts at once, and groups that form normally."""
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 from typing import Callable
@@ -12,19 +11,6 @@ import torch
 import torch.distributed as dist
 
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
-
-
-@pytest.fixture
-def store() -> Callable[[], dist.Store]:
-    """What the session passes: a function opening a new client of the job's TCPStore."""
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=30))
-
-    def connect() -> dist.Store:
-        return dist.TCPStore("127.0.0.1", master.port, is_master=False,
-                             timeout=datetime.timedelta(seconds=30))
-    connect.master = master  # type: ignore[attr-defined]   # kept alive with the fixture
-    return connect
 
 
 @pytest.mark.integration

@@ -5,7 +5,6 @@ as a no-op the moment a newer generation is announced, a failure raised when no 
 absorbs it, and a joining rank's set-up collectives answered locally."""
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 from typing import Any, Callable
@@ -16,18 +15,6 @@ import torch.distributed as dist
 
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.group.default_group import DefaultGroup
-
-
-@pytest.fixture
-def connect() -> Callable[[], dist.Store]:
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=30))
-
-    def client() -> dist.Store:
-        return dist.TCPStore("127.0.0.1", master.port, is_master=False,
-                             timeout=datetime.timedelta(seconds=30))
-    client.master = master  # type: ignore[attr-defined]   # kept alive with the fixture
-    return client
 
 
 def on_both(fn: Callable[[int], Any]) -> dict[int, Any]:
@@ -50,9 +37,9 @@ def on_both(fn: Callable[[int], Any]) -> dict[int, Any]:
     return results
 
 
-def two_groups(connect: Callable[[], dist.Store], generation: int = 0
+def two_groups(store: Callable[[], dist.Store], generation: int = 0
                ) -> tuple[list[Collective], list[DefaultGroup]]:
-    collectives = [Collective(connect, rank=r, world_size=2, timeout_s=20.0) for r in (0, 1)]
+    collectives = [Collective(store, rank=r, world_size=2, timeout_s=20.0) for r in (0, 1)]
     on_both(lambda r: collectives[r].form(generation))
     return collectives, [DefaultGroup(c, skip_setup=False) for c in collectives]
 
@@ -60,8 +47,8 @@ def two_groups(connect: Callable[[], dist.Store], generation: int = 0
 @pytest.mark.integration
 @pytest.mark.timeout(90)
 def test_collectives_run_on_each_generation_through_the_same_group_object(
-        connect: Callable[[], dist.Store]) -> None:
-    collectives, groups = two_groups(connect)
+        store: Callable[[], dist.Store]) -> None:
+    collectives, groups = two_groups(store)
 
     def collectives_of(rank: int) -> tuple[list[float], list[float], list[list[float]]]:
         group = groups[rank]
@@ -86,8 +73,8 @@ def test_collectives_run_on_each_generation_through_the_same_group_object(
 @pytest.mark.integration
 @pytest.mark.timeout(90)
 def test_a_collective_waiting_on_a_hung_peer_completes_as_a_no_op_on_a_newer_generation(
-        connect: Callable[[], dist.Store]) -> None:
-    collectives, groups = two_groups(connect)
+        store: Callable[[], dist.Store]) -> None:
+    collectives, groups = two_groups(store)
     newer = threading.Event()
     collectives[0].absorb_faults = True
     collectives[0].superseded = newer.is_set
@@ -106,8 +93,8 @@ def test_a_collective_waiting_on_a_hung_peer_completes_as_a_no_op_on_a_newer_gen
 
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_without_a_session_a_failed_generation_raises(connect: Callable[[], dist.Store]) -> None:
-    collectives, groups = two_groups(connect)
+def test_without_a_session_a_failed_generation_raises(store: Callable[[], dist.Store]) -> None:
+    collectives, groups = two_groups(store)
     collectives[0].mark_fault("peer died")
     with pytest.raises(CollectiveAborted, match="peer died"):
         groups[0].allreduce([torch.ones(1)])
@@ -116,8 +103,8 @@ def test_without_a_session_a_failed_generation_raises(connect: Callable[[], dist
 @pytest.mark.integration
 @pytest.mark.timeout(90)
 def test_a_joining_rank_answers_set_up_collectives_alone_until_started(
-        connect: Callable[[], dist.Store]) -> None:
-    collectives, _ = two_groups(connect)
+        store: Callable[[], dist.Store]) -> None:
+    collectives, _ = two_groups(store)
     joining = DefaultGroup(collectives[1], skip_setup=True)
     gathered = [torch.zeros(2) for _ in range(2)]
     joining.allgather([gathered], [torch.full((2,), 7.0)]).wait()   # DDP's shape check
