@@ -16,7 +16,7 @@ from typing import AbstractSet, Any, Mapping
 import ray
 from rich.console import Console
 
-from phalanx.configs.errors import ConfigError, PhalanxError, PlanInfeasible
+from phalanx.configs.errors import ConfigError, PhalanxError, PlanInfeasible, TransientError
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.runtime.base import Generation, MemberRecord, Rank, Step, WorkerId, node_name
 from phalanx.runtime.tiers.config import build_tiers
@@ -44,7 +44,7 @@ from phalanx.launcher.services.stack import Services, join_services, start_servi
 from phalanx.spares.actor import WorkerActor
 from phalanx.spares.pool import SparePool
 from phalanx.runtime.worker.entrypoint import is_script
-from phalanx.recovery.base import FaultReport, WorldView
+from phalanx.recovery.base import FaultKind, FaultReport, WorldView
 from phalanx.recovery.detection import (ActorDied, CollectiveError, KeeperLeaseExpired, NodeLost,
                                         StallDetector, classify)
 from phalanx.runtime.context import DEFAULT_PLAN_TIMEOUT_S, WorkerContext
@@ -74,6 +74,23 @@ class JobResult:
     summary: dict[str, Any] = field(default_factory=dict)   # summary.json (run_summary)
 
 
+class StartupLost(TransientError):
+    """Ray lost a node before the job's first step; the launch is tried once more."""
+
+
+STARTUP_ATTEMPTS = 2
+NODE_LOSS_KINDS = (FaultKind.WORKER_DIED, FaultKind.NODE_DIED, FaultKind.KEEPER_DIED,
+                   FaultKind.LEASE_LOST, FaultKind.COLLECTIVE_ERROR)
+
+
+def dead_ray_nodes() -> list[str]:
+    """The node ids Ray's node table lists as dead ([] when Ray cannot be asked)."""
+    try:
+        return [n["NodeID"] for n in ray.nodes() if not n.get("Alive")]
+    except Exception:  # process boundary: a Ray that cannot answer tells nothing here
+        return []
+
+
 class JobRunner:
     """Runs one job to completion. ``run()`` returns a ``JobResult`` or raises the root
     cause (``WorkerFailed`` with the rank's traceback, ``ServiceStartError``, ...)."""
@@ -94,6 +111,8 @@ class JobRunner:
         self.drills: JobDrills | None = None         # only when the config turns drills on
         self.metrics: JobMetrics | None = None       # only with metrics.port
         self._started_at = time.time()   # the launch on the wall clock (goodput); reset in run
+        self._first_step_seen = False    # a rank finished a step (no start-up retry after)
+        self._dead_at_start: list[str] = []   # Ray nodes already dead when Ray came up
         if standby and not cfg.coordinator.standby:
             raise ConfigError("coordinator.standby", "false, but --standby was given",
                               "set coordinator.standby: true in the job's config (leader and "
@@ -106,15 +125,34 @@ class JobRunner:
         self._started_at = time.time()      # the launch, on the wall clock (goodput)
         self._check_memory()
         self.cfg, self.drills = JobDrills.open(self.cfg)
-        self._check_tiers()
+        try:
+            self._check_tiers()
+            for attempt in range(1, STARTUP_ATTEMPTS + 1):
+                try:
+                    return self._run_once(started)
+                except StartupLost as exc:
+                    if attempt == STARTUP_ATTEMPTS:
+                        raise
+                    log.warning("event=startup_retry attempt=%d error=%s", attempt, exc)
+                    self.console.print(f"phalanx: warning: {exc}; everything started was "
+                                       "stopped, starting the job once more", markup=False)
+            raise AssertionError("unreachable")
+        finally:
+            if self.drills is not None:
+                self.drills.close()
+
+    def _run_once(self, started: float) -> JobResult:
+        """One launch in a fresh run directory; ``StartupLost`` when Ray lost a node before
+        the job's first step (services, keepers, spares, ranks: all stopped again)."""
+        self.keepers, self._slots, self._signals_at_start = {}, {}, []
+        self._first_step_seen = False
         run = RunDir.create(self.cfg)
         self.secret_hex = job_secret(self.cfg, run).hex()
         self.console.print(f"phalanx: run directory {run.path}", markup=False)
         with contextlib.ExitStack() as stack:
             _install_sigterm(stack)
-            if self.drills is not None:
-                stack.callback(self.drills.close)
             services = start_services(self.cfg, run, stack)
+            self._dead_at_start = dead_ray_nodes()
             stack.callback(self._release_shared_memory)     # after the keepers closed
             run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
                            "etcd_prefix": self.cfg.etcd.prefix, "launcher_pid": os.getpid(),
@@ -123,22 +161,48 @@ class JobRunner:
                            "started_at": self._started_at,
                            "launcher_host": socket.gethostname()})
             self._use(services, stack)
-            # keepers, spares, then ranks (_start_workers): starting every actor at once
-            # right after Ray came up (each imports torch) starved the fresh raylets'
-            # agents on 2 cores and Ray lost a node at start-up in 3 of ~40 CI launches
-            self._start_keepers(services, run, stack)
-            events = EventLog(run.path / "events.jsonl", services.membership)
-            stack.callback(events.close)     # before the membership closes (LIFO)
-            self._open_metrics(events, stack)
-            pool = self._start_spares(stack)
-            coordinator = self._coordinator(run, services, events, pool)
-            coordinator.fence_initial()
-            events.emit("started", world_size=self.cfg.job.world_size, nodes=self.cfg.job.nodes,
-                        spares=self.cfg.spares.count)
-            slots = self._start_workers(run)
-            if self.keepers:
-                coordinator.place(slots)
+            try:
+                # keepers, spares, then ranks (_start_workers): starting every actor at once
+                # right after Ray came up (each imports torch) starved the fresh raylets'
+                # agents on 2 cores and Ray lost a node at start-up in 3 of ~40 CI launches
+                self._start_keepers(services, run, stack)
+                events = EventLog(run.path / "events.jsonl", services.membership)
+                stack.callback(events.close)     # before the membership closes (LIFO)
+                self._open_metrics(events, stack)
+                pool = self._start_spares(stack)
+                coordinator = self._coordinator(run, services, events, pool)
+                coordinator.fence_initial()
+                events.emit("started", world_size=self.cfg.job.world_size,
+                            nodes=self.cfg.job.nodes, spares=self.cfg.spares.count)
+                slots = self._start_workers(run)
+                if self.keepers:
+                    coordinator.place(slots)
+            except Exception as exc:
+                self._check_startup_nodes(exc)
+                raise
             return self._finish(run, slots, coordinator, started)
+
+    def _ray_death_s(self) -> float:
+        """How long Ray takes to declare a killed raylet dead, plus a second."""
+        ray_cfg = self.cfg.ray
+        return ray_cfg.health_check_period_ms * ray_cfg.health_check_failure_threshold / 1000 + 1
+
+    def _check_startup_nodes(self, cause: BaseException | str, wait_s: float = 0.0) -> None:
+        """Raise ``StartupLost`` when a Ray node died since Ray came up (Ray asked for up
+        to ``wait_s``: a lost node's processes are noticed before Ray's health check
+        declares it dead) and no rank has finished a step yet: nothing of the job is
+        lost, so it starts once more rather than failing (seen on loaded 2-core machines:
+        a raylet missing its health checks while five processes import torch)."""
+        if self._first_step_seen:
+            return
+        deadline = time.monotonic() + wait_s
+        while not (lost := sorted(set(dead_ray_nodes()) - set(self._dead_at_start))):
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.2)
+        if lost:
+            raise StartupLost(f"Ray lost {len(lost)} node(s) ({', '.join(n[:12] for n in lost)}) "
+                              f"before the job's first step: {str(cause)[:300]}")
 
     def _finish(self, run: RunDir, slots: dict[int, RankSlot],
                 coordinator: RecoveryCoordinator, started: float) -> JobResult:
@@ -353,6 +417,7 @@ class JobRunner:
             overhead_budget=cfg.snapshot.overhead_budget, checksum=cfg.snapshot.checksum,
             secret_hex=self.secret_hex, etcd_client=client_fields(cfg.etcd),
             plan_timeout_s=plan_timeout_s(cfg), drills=cfg.drills.active,
+            drill_gates=() if self.drills is None else self.drills.gate_steps(),
             log_format=current_format(), extra={"restore": restore} if restore else {})
 
     def _new_actor(self, node: int, name: str) -> Any:
@@ -436,7 +501,11 @@ class JobRunner:
                     if sample.step > 0:  # setting up the first step is not a stall
                         stall.observe(sample)
                 faults = coordinator.fresh(self._classify(polled, slots, coordinator, stall))
-                if faults:
+                self._first_step_seen = self._first_step_seen or any(
+                    m.step >= 1 for m in members.values() if m.rank >= 0)
+                if faults and not self._first_step_seen and any(
+                        f.kind in NODE_LOSS_KINDS for f in faults):
+                    self._check_startup_nodes(faults[0].evidence, wait_s=self._ray_death_s())
                     if not cfg.recovery.enabled:
                         raise PlanInfeasible(f"recovery is disabled: {faults[0].evidence}")
                     coordinator.recover(faults, slots)

@@ -46,6 +46,7 @@ class WorkerContext:
     etcd_client: dict[str, str] = field(default_factory=dict)
     plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S   # how long a survivor waits for a plan
     drills: bool = False               # install the drill hooks (``runtime.worker.drill_hooks``)
+    drill_gates: tuple[int, ...] = ()  # steps a drill's faults are due at: held there until fired
     log_format: str = "logfmt"         # the launcher's --log-format (``runtime.logs``)
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -88,6 +89,7 @@ class WorkerContext:
             if unknown:
                 raise ValueError(f"unknown fields {sorted(unknown)}")
             data["etcd_endpoints"] = tuple(data.get("etcd_endpoints", ()))
+            data["drill_gates"] = tuple(data.get("drill_gates", ()))
             return cls(**data)
         except (ValueError, TypeError) as exc:
             raise ConfigError(ENV_KEY, f"cannot be parsed: {exc}",

@@ -13,10 +13,12 @@ from phalanx.configs.errors import ConfigError, MembershipUnavailable
 from phalanx.launcher.drills.scenario import Scenario, parse_fault, probability_step
 from phalanx.launcher.drills.catalogue import FaultEnv, FaultSpec, catalogue
 from phalanx.runtime.base import MemberRecord, Membership
+from phalanx.runtime.worker.drill_hooks import gate_key, gate_reason
 
 log = logging.getLogger(__name__)
 INJECT_PREFIX = "drills/inject/"
 INJECT_POLL_S = 0.25      # how often etcd is asked for injected faults
+GATE_QUORUM_S = 3.0       # longest a gated fault waits for the last rank to come to its gate
 
 
 class Deferred:
@@ -41,12 +43,21 @@ class Deferred:
 
 
 class Injector:
-    """Owned by the launcher's main thread; ``poll`` once per monitor poll."""
+    """Owned by the launcher's main thread; ``poll`` once per monitor poll.
+
+    A scenario's fault due at step N fires when every rank is held at N's gate (before
+    running step N, its snapshots published: ``phalanx.runtime.worker.drill_hooks``), then
+    the gate is released; so it hits exactly step N. A rank that never comes to the gate
+    (dead, hung, a script without ``session.step()``) delays it at most ``GATE_QUORUM_S``
+    after the first rank arrived, or until some rank is past N."""
 
     def __init__(self, scenario: Scenario | None, env: FaultEnv, membership: Membership,
                  deferred: Deferred, clock: Callable[[], float] = time.monotonic) -> None:
         self._pending = list(scenario.faults) if scenario else []
         self._when = {spec.index: _due_step(spec) for spec in self._pending}
+        self._gates = set(gate_steps(scenario))
+        self._released: set[int] = set()
+        self._held_since: dict[int, float] = {}
         self._env = env
         self._membership = membership
         self._deferred = deferred
@@ -62,19 +73,45 @@ class Injector:
         now = self._clock()
         if self._first_step_at is None and furthest >= 1:
             self._first_step_at = now
-        for spec in list(self._pending):
-            if self._due(spec, furthest, now):
-                self._pending.remove(spec)
-                self.fire(spec, furthest)
+        for spec in [s for s in self._pending if self._due(s, members, furthest, now)]:
+            self._pending.remove(spec)
+            if catalogue()[spec.kind].ends_launcher:   # no release after it: release first
+                self._release_gates(ended=True)
+            self.fire(spec, furthest)
+        self._release_gates()
         if now >= self._next_inject_poll:
             self._next_inject_poll = now + INJECT_POLL_S
             self._poll_injected(furthest)
 
-    def _due(self, spec: FaultSpec, furthest: int, now: float) -> bool:
+    def _due(self, spec: FaultSpec, members: Mapping[str, MemberRecord], furthest: int,
+             now: float) -> bool:
         if spec.at_time_s is not None:
             return self._first_step_at is not None and now - self._first_step_at >= spec.at_time_s
         step = self._when[spec.index]
-        return step is not None and furthest >= step
+        if step is None or furthest < step:
+            return False
+        if step not in self._gates or furthest > step:
+            return True
+        reason = gate_reason(step)
+        held = {m.rank for m in members.values() if m.rank >= 0 and m.step == step
+                and m.extra.get("busy") == reason}
+        if len(held) >= self._env.config().job.world_size:
+            return True
+        return now - self._held_since.setdefault(step, now) >= GATE_QUORUM_S
+
+    def _release_gates(self, ended: bool = False) -> None:
+        """Put the key of every gate whose faults all fired (``ended``: every gate, the
+        launcher is about to end); a put etcd refused is tried again next poll."""
+        waiting = {self._when[s.index] for s in self._pending}
+        for step in sorted(self._gates - self._released):
+            if step in waiting and not ended:
+                continue
+            try:
+                self._membership.put(gate_key(step), b"fired")
+            except MembershipUnavailable as exc:
+                log.info("event=drill_gate_release_failed step=%d error=%s", step, exc)
+                return
+            self._released.add(step)
 
     def fire(self, spec: FaultSpec, step: int, origin: str = "scenario") -> dict[str, Any]:
         """Inject ``spec`` now; the ``drill_fault`` event records what its mechanism did."""
@@ -120,6 +157,13 @@ class Injector:
     def close(self) -> None:
         """Undo what is still deferred (resume stopped processes, heal links)."""
         self._deferred.run_due(everything=True)
+
+
+def gate_steps(scenario: Scenario | None) -> tuple[int, ...]:
+    """The steps ``scenario``'s step-triggered faults are due at, in order."""
+    if scenario is None:
+        return ()
+    return tuple(sorted({s for s in map(_due_step, scenario.faults) if s is not None}))
 
 
 def _due_step(spec: FaultSpec) -> int | None:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.launcher.drills.catalogue import prepare_job
 from phalanx.launcher.drills.env import JobFaultEnv
-from phalanx.launcher.drills.injector import Deferred, Injector
+from phalanx.launcher.drills.injector import Deferred, Injector, gate_steps
 from phalanx.launcher.drills.scenario import Scenario, load_scenario
 
 
@@ -33,6 +33,11 @@ class JobDrills:
         if scenario is not None:
             cfg, services = prepare_job(cfg, {spec.kind for spec in scenario.faults})
         return cfg, cls(scenario, services)
+
+    def gate_steps(self) -> tuple[int, ...]:
+        """The steps the scenario's faults are due at: every rank is held before running
+        one until its faults fired (``phalanx.runtime.worker.drill_hooks``)."""
+        return gate_steps(self.scenario)
 
     def injector(self, cfg: PhalanxConfig, run_path: Path, slots: dict[int, Any],
                  coordinator: Any, job_services: Any,

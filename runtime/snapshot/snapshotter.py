@@ -16,7 +16,7 @@ import mmap
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -335,6 +335,14 @@ class Snapshotter:
             self._copied.wait()
         if self._cuda_event is not None:
             torch.cuda.current_stream().wait_event(self._cuda_event)
+
+    def wait_published(self) -> None:
+        """Block until the last capture is published or has failed (its error is kept for
+        ``flush``): the keeper then holds every snapshot this rank will give it until the
+        next capture (a drill gate, ``phalanx.runtime.worker.drill_hooks``)."""
+        pending = self._pending
+        if pending is not None:
+            futures_wait([pending])
 
     def flush(self) -> None:
         """Wait until the last capture is published; re-raises its error."""

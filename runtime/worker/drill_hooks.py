@@ -6,7 +6,12 @@ a scenario; ``WorkerContext.drills``):
   in the run directory (``memory/rank<r>-<worker>.json``) at start and after every restore,
   so the ``corrupt_params`` drill can flip a bit in them from outside the process
   (``phalanx.launcher.drills.faults.memory``). The file names only addresses and sizes,
-  never contents."""
+  never contents;
+- a gate at each step a scenario's fault is due at (``WorkerContext.drill_gates``): the rank
+  finishes publishing its snapshots, tells the launcher it is held (``busy`` =
+  ``gate_reason(step)``) and waits before running the step until the launcher, having
+  fired that step's faults, puts ``gate_key(step)``; so ``at_step: N`` hits every rank at
+  exactly step N, with no newer snapshot written between a fault and the next."""
 from __future__ import annotations
 
 import json
@@ -16,14 +21,47 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from phalanx.configs.errors import InjectedFault
+from phalanx.configs.errors import InjectedFault, MembershipUnavailable
+from phalanx.runtime.base import Membership
 from phalanx.runtime.snapshot.state_tree import flatten_state
 
 log = logging.getLogger(__name__)
 MEMORY_DIR = "memory"
 MAP_FORMAT = 1
+GATE_PREFIX = "drills/gate/"
+GATE_WAIT_S = 20.0     # a rank held longer goes on (a launcher gone): logged, not raised
+GATE_POLL_S = 0.01
+
+
+def gate_reason(step: int) -> str:
+    """What a rank held at ``step``'s gate shows as ``busy`` in its member record."""
+    return f"drill gate {step}"
+
+
+def gate_key(step: int) -> str:
+    return f"{GATE_PREFIX}{step}"
+
+
+def hold_at_gate(membership: Membership, step: int, give_up: Callable[[], bool],
+                 wait_s: float = GATE_WAIT_S, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Wait for the launcher to release ``step``'s gate; True once released, False when
+    ``give_up()`` (a newer generation started: the fault already hit) or after ``wait_s``.
+    etcd unreachable (an etcd drill at that step): asked again until the deadline."""
+    deadline = clock() + wait_s
+    while clock() < deadline:
+        try:
+            if membership.get(gate_key(step)) is not None:
+                return True
+        except MembershipUnavailable:
+            pass
+        if give_up():
+            return False
+        sleep(GATE_POLL_S)
+    log.warning("event=drill_gate_timeout step=%d waited_s=%.1f", step, wait_s)
+    return False
 
 
 def map_path(run_dir: str | Path, rank: int, worker_id: str) -> Path:

@@ -43,7 +43,8 @@ from phalanx.runtime.worker.heartbeat import Heartbeat
 from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address
 from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
-from phalanx.runtime.worker.drill_hooks import raise_on_sigusr1, write_memory_map
+from phalanx.runtime.worker.drill_hooks import (gate_reason, hold_at_gate, raise_on_sigusr1,
+                                               write_memory_map)
 from phalanx.runtime.group.process_group import connect_store_at
 from phalanx.runtime.worker.rejoin import restore_rank
 from phalanx.runtime.consistency.digest import REPLICAS_EXTRA
@@ -447,6 +448,8 @@ class Session:
             if self._verifier is not None:
                 self._verifier.note_capture(self._progress.step_index)
         self._recover_if_faulted()      # a collective failed outside a step (evaluation)
+        if self._progress.step_index in self.context.drill_gates:
+            self._hold_at_gate(self._progress.step_index)
         started = time.perf_counter()
         try:
             yield self._progress.step_index
@@ -483,6 +486,21 @@ class Session:
                     return
                 if snapshotter.shares_interval:
                     self._agree_interval(snapshotter)
+
+    def _hold_at_gate(self, step: int) -> None:
+        """A drill's fault is due at ``step``: held before it runs until the launcher fired
+        it (``phalanx.runtime.worker.drill_hooks.hold_at_gate``), once this rank's last
+        snapshot is in its keeper. Busy meanwhile, so the wait is never taken for a hang."""
+        membership, watcher = self._membership, self._watcher
+        if membership is None:
+            return
+        if self._snapshotter is not None:
+            self._snapshotter.wait_published()
+        generation = self.generation
+        with self._activity.busy(gate_reason(step)):
+            released = hold_at_gate(membership, step, lambda: watcher is not None
+                                    and watcher.newer_than(generation))
+        log.info("event=drill_gate step=%d released=%s", step, released)
 
     def _log_step(self, step: int, seconds: float) -> None:
         """One line per completed step: DEBUG, or INFO with ``replay=true`` for a step at or

@@ -1,7 +1,9 @@
 """`phalanx launch` end to end: real etcd, real Ray with virtual nodes, real gloo."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from examples.train_mlp import batch, make_model, parameter_hash
-from tests.integration.launching import ROOT, launch, phalanx_command
+from tests.integration.launching import ROOT, LaunchResult, launch, phalanx_command
 from tests.plugins.leaks import Footprint, assert_nothing_left
 
 pytestmark = pytest.mark.integration
@@ -44,12 +46,56 @@ def reference_hash(world: int, steps: int, batch_size: int = 32, hidden: int = 6
     return parameter_hash(model)
 
 
+def kill_raylet_once_the_job_starts(run_root: Path, proc: subprocess.Popen,
+                                    node: int = 1) -> None:
+    """SIGKILL virtual node ``node``'s raylet and every process below it as soon as the
+    launch's services are up (its run directory has job.json), before any step: a node
+    lost at start-up, as Ray's health check does to a starved raylet (a run directory
+    ``latest`` named before this launch is an earlier run's)."""
+    from phalanx.launcher.services.ray_cluster import descendants, node_resource
+
+    latest = run_root / "latest"
+    earlier = latest.read_text().strip() if latest.is_file() else None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the launch ended before its services were up"
+        run_dir = latest.read_text().strip() if latest.is_file() else earlier
+        if run_dir != earlier and (Path(run_dir) / "job.json").is_file():
+            break
+        time.sleep(0.05)
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "raylet" in cmdline.split("\0")[0] and node_resource(node) in cmdline:
+            for pid in [int(entry.name), *descendants(int(entry.name))]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+    raise AssertionError(f"no raylet of node {node} found")
+
+
 @pytest.mark.timeout(300)
 def test_world_two_is_deterministic_and_matches_reference(tmp_path: Path) -> None:
+    """Two launches end alike, and like one process computing the same job; the second
+    loses a Ray node while it starts (before its first step) and starts once more."""
     first = launch("configs/demo.yaml", "job.world_size=2", *SMALL, run_root=tmp_path)
     assert first.returncode == 0, first.stderr
-    second = launch("configs/demo.yaml", "job.world_size=2", *SMALL, run_root=tmp_path)
+    proc = subprocess.Popen(phalanx_command("configs/demo.yaml", "job.world_size=2", *SMALL,
+                                            run_root=tmp_path),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kill_raylet_once_the_job_starts(tmp_path, proc)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    second = LaunchResult(proc.returncode, out, err)
     assert second.returncode == 0, second.stderr
+    assert "before the job's first step" in second.stderr
+    assert "starting the job once more" in second.stderr
+    assert second.stderr.count("phalanx: run directory") == 2
     assert set(first.hashes) == {0, 1}
     assert len(set(first.hashes.values())) == 1, first.hashes
     assert first.hashes == second.hashes

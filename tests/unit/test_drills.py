@@ -13,8 +13,10 @@ from phalanx.configs.loader import load_config
 from phalanx.launcher.drills.chaos import chaos_scenario, draw_faults
 from phalanx.launcher.drills.scenario import load_scenario, parse_scenario, probability_step
 from phalanx.launcher.drills.catalogue import FaultSpec, catalogue
-from phalanx.launcher.drills.injector import INJECT_PREFIX, Deferred, Injector
+from phalanx.launcher.drills.injector import (GATE_QUORUM_S, INJECT_PREFIX, Deferred, Injector,
+                                              gate_steps)
 from phalanx.runtime.base import MemberRecord
+from phalanx.runtime.worker.drill_hooks import gate_key, gate_reason, hold_at_gate
 from tests.fakes.membership_memory import InMemoryMembership as MemoryMembership
 
 pytestmark = pytest.mark.unit
@@ -118,9 +120,14 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEnv:
     return env
 
 
-def member(rank: int, step: int) -> MemberRecord:
+def member(rank: int, step: int, held: bool = False) -> MemberRecord:
+    extra = {"busy": gate_reason(step)} if held else {}
     return MemberRecord(worker_id=f"w{rank}", rank=rank, node="node0", step=step, generation=0,
-                        pid=1000 + rank)
+                        pid=1000 + rank, extra=extra)
+
+
+def held_at(step: int, ranks: int = 4) -> dict[str, MemberRecord]:
+    return {f"w{r}": member(r, step, held=True) for r in range(ranks)}
 
 
 def test_injector_fires_each_fault_once_when_due_and_undoes_a_timed_hang(fake: FakeEnv) -> None:
@@ -134,7 +141,7 @@ def test_injector_fires_each_fault_once_when_due_and_undoes_a_timed_hang(fake: F
     injector.poll({"w0": member(0, 4)})
     assert fake.signals == []
     fake.now = 0.5
-    injector.poll({"w0": member(0, 5)})             # step 5 reached; clock starts at step 1
+    injector.poll(held_at(5))             # every rank held at step 5; clock starts at step 1
     assert fake.signals == [(1001, signal.SIGKILL)]
     fake.now = 2.4
     injector.poll({"w0": member(0, 9)})
@@ -149,6 +156,65 @@ def test_injector_fires_each_fault_once_when_due_and_undoes_a_timed_hang(fake: F
     assert [(f["kind"], f["step"], f["target"]) for f in fired] == [
         ("kill_worker", 5, "rank 1"), ("hang_worker", 9, "rank 2")]
     assert [e for e, _ in fake.emitted].count("drill_fault_end") == 1
+
+
+def test_a_step_fault_fires_with_every_rank_held_at_its_step_then_releases_them(
+        fake: FakeEnv) -> None:
+    import signal
+
+    membership = MemoryMembership()
+    later = {"kind": "kill_worker", "target": {"rank": 2}, "trigger": {"at_step": 9}}
+    injector = Injector(parse_scenario(scenario(KILL, later), "t.yaml"), fake, membership,
+                        fake.deferred, clock=lambda: fake.now)
+    assert gate_steps(parse_scenario(scenario(KILL, later), "t.yaml")) == (5, 9)
+    three = {**held_at(5, 3), "w3": member(3, 4)}
+    injector.poll(three)                                # rank 3 not at the gate yet
+    assert fake.signals == [] and membership.get(gate_key(5)) is None
+    injector.poll(held_at(5))
+    assert fake.signals == [(1001, signal.SIGKILL)]
+    assert membership.get(gate_key(5)) is not None and membership.get(gate_key(9)) is None
+    fake.now = 10.0                                      # a rank that never comes (hung):
+    injector.poll({**held_at(9, 3), "w3": member(3, 8)})
+    assert len(fake.signals) == 1                        # waited for ...
+    fake.now = 10.0 + GATE_QUORUM_S
+    injector.poll({**held_at(9, 3), "w3": member(3, 8)})
+    assert fake.signals[-1] == (1002, signal.SIGKILL)    # ... at most GATE_QUORUM_S
+    assert membership.get(gate_key(9)) is not None
+    fired = [f["step"] for e, f in fake.emitted if e == "drill_fault"]
+    assert fired == [5, 9]
+
+
+def test_a_step_fault_with_no_gated_ranks_fires_once_a_rank_is_past_it(fake: FakeEnv) -> None:
+    import signal
+
+    injector = Injector(parse_scenario(scenario(KILL), "t.yaml"), fake, MemoryMembership(),
+                        fake.deferred, clock=lambda: fake.now)
+    injector.poll({"w0": member(0, 5)})      # a script without session.step(): never held
+    assert fake.signals == []
+    injector.poll({"w0": member(0, 6)})
+    assert fake.signals == [(1001, signal.SIGKILL)]
+
+
+def test_a_held_rank_waits_for_its_gate_and_gives_up_on_a_newer_generation() -> None:
+    membership, clock = MemoryMembership(), [0.0]
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+        if clock[0] >= 1.0:
+            membership.put(gate_key(7), b"fired")
+
+    assert hold_at_gate(membership, 7, lambda: False, wait_s=5, clock=lambda: clock[0],
+                        sleep=sleep)
+    assert 1.0 <= clock[0] < 1.1
+    assert hold_at_gate(membership, 7, lambda: True)     # released already: passes at once
+    clock[0] = 0.0
+    assert not hold_at_gate(membership, 8, lambda: clock[0] > 0.5, wait_s=5,
+                            clock=lambda: clock[0], sleep=sleep)
+    assert clock[0] < 0.6
+    clock[0] = 0.0
+    assert not hold_at_gate(membership, 8, lambda: False, wait_s=2, clock=lambda: clock[0],
+                            sleep=sleep)
+    assert 2.0 <= clock[0] < 2.1
 
 
 def test_faults_written_to_etcd_are_fired_and_bad_ones_refused(fake: FakeEnv) -> None:
@@ -173,7 +239,7 @@ def test_a_mechanism_that_fails_is_reported_not_raised(fake: FakeEnv) -> None:
     raw = scenario({"kind": "kill_spare", "target": {"role": "spare"}, "trigger": {"at_step": 1}})
     fake.spare_pids = lambda: {}
     injector = Injector(parse_scenario(raw, "t.yaml"), fake, MemoryMembership(), fake.deferred)
-    injector.poll({"w0": member(0, 1)})
+    injector.poll(held_at(1))
     fired = [f for e, f in fake.emitted if e == "drill_fault"]
     assert "no spare to kill" in fired[0]["details"]["error"]
 
