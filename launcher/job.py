@@ -506,6 +506,7 @@ class JobRunner:
                 if faults and not self._first_step_seen and any(
                         f.kind in NODE_LOSS_KINDS for f in faults):
                     self._check_startup_nodes(faults[0].evidence, wait_s=self._ray_death_s())
+                if faults:
                     if not cfg.recovery.enabled:
                         raise PlanInfeasible(f"recovery is disabled: {faults[0].evidence}")
                     coordinator.recover(faults, slots)
