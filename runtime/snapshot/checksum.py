@@ -27,14 +27,16 @@ import hashlib
 import itertools
 import threading
 from concurrent.futures import Executor, Future
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import blake3
 import numpy as np
-import torch
 import xxhash
 
 from phalanx.runtime.snapshot import fused_copy
+
+if TYPE_CHECKING:    # only a tensor's own bytes need torch (a keeper hashes buffers)
+    import torch
 
 ALGOS = ("xxh3", "blake3", "sha256")
 DEFAULT_ALGO = "xxh3"
@@ -229,6 +231,8 @@ def byte_view(buf: Any) -> memoryview:
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    import torch
+
     flat = t.detach()
     if flat.is_conj() or flat.is_neg():
         flat = flat.resolve_conj().resolve_neg()

@@ -17,28 +17,43 @@ import math
 import warnings
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Mapping, NamedTuple
-
-import torch
+from functools import cache
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 from phalanx.configs.errors import SnapshotCorrupt, SnapshotUnauthenticated
 from phalanx.runtime.snapshot.checksum import (ALGOS, DEFAULT_ALGO, HEX_LEN, DigestJob, Span,
                                                byte_view, check_algo, digest_spans, finish, helpers)
+
+if TYPE_CHECKING:      # torch is imported where tensors are made or read, not for the bytes:
+    import torch       # a keeper verifies and moves snapshots without it (a faster start)
 
 FORMAT_VERSION = 1
 MAX_HEADER_BYTES = 100_000_000          # safetensors' own cap
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 DATA_ALIGN = 64      # tensor data starts on a cache line: copies into the slot run aligned
 
-DTYPE_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
+# safetensors' dtype codes: torch's name of each and its bytes per element
+_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2), "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2),
+    "I8": ("int8", 1), "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2),
+    "U8": ("uint8", 1), "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1), "C64": ("complex64", 8),
 }
-CODE_DTYPES: dict[str, torch.dtype] = {code: dt for dt, code in DTYPE_CODES.items()}
-_ITEMSIZE: dict[str, int] = {code: dt.itemsize for dt, code in DTYPE_CODES.items()}
+_ITEMSIZE: dict[str, int] = {code: size for code, (_, size) in _DTYPES.items()}
+
+
+@cache
+def dtype_codes() -> dict[torch.dtype, str]:
+    """torch dtype → safetensors code, for every dtype a snapshot stores."""
+    import torch
+
+    return {getattr(torch, name): code for code, (name, _) in _DTYPES.items()}
+
+
+@cache
+def code_dtypes() -> dict[str, torch.dtype]:
+    return {code: dt for dt, code in dtype_codes().items()}
 
 
 class TensorEntry(NamedTuple):
@@ -68,17 +83,17 @@ class SnapshotLayout:
             return False
         for name, t in tensors.items():
             entry = self.entries.get(name)
-            if entry is None or entry.dtype != DTYPE_CODES.get(t.dtype) \
+            if entry is None or entry.dtype != dtype_codes().get(t.dtype) \
                     or entry.shape != tuple(t.shape):
                 return False
         return True
 
 
 def _code(name: str, t: torch.Tensor) -> str:
-    code = DTYPE_CODES.get(t.dtype)
+    code = dtype_codes().get(t.dtype)
     if code is None:
         raise TypeError(f"tensor '{name}' has dtype {t.dtype}, which the snapshot format "
-                        f"cannot store; supported: {sorted(str(d) for d in DTYPE_CODES)}")
+                        f"cannot store; supported: {sorted(str(d) for d in dtype_codes())}")
     return code
 
 
@@ -100,7 +115,7 @@ def plan_layout(tensors: Mapping[str, torch.Tensor],
     offset = 0
     for name in order:
         t = tensors[name]
-        code = DTYPE_CODES[t.dtype]
+        code = dtype_codes()[t.dtype]
         nbytes = t.numel() * t.element_size()
         entries[name] = TensorEntry(code, tuple(t.shape), offset, offset + nbytes)
         header[name] = {"dtype": code, "shape": list(t.shape),
@@ -139,6 +154,8 @@ def write_into(buf: Any, layout: SnapshotLayout, tensors: Mapping[str, torch.Ten
     computing ``checksums`` or changing the tensors; ``after(name, nbytes)`` runs once each
     tensor's copy is issued (to record CUDA events). Called on the training thread. Raises
     ValueError when the buffer is read-only or too small, or the tensors do not match."""
+    import torch
+
     view = _writable(buf, layout, tensors)
     view[:layout.data_start] = layout.header
     dest = torch.frombuffer(view, dtype=torch.uint8, count=layout.total_bytes)
@@ -318,6 +335,8 @@ def read_tensors(buf: Any, verify_against: Manifest | None = None, *, source: st
     caller's to check first (``Manifest.verify``). Raises SnapshotCorrupt naming the
     tensor. Tensors over a read-only buffer (bytes) must not be written to. ``buf``
     must be exactly the payload: slice a larger slot to ``total_bytes`` first."""
+    import torch
+
     layout = parse_header(buf)
     view = byte_view(buf)
     if verify_against is not None:
@@ -327,7 +346,7 @@ def read_tensors(buf: Any, verify_against: Manifest | None = None, *, source: st
         base = torch.frombuffer(view, dtype=torch.uint8, count=layout.total_bytes)
     out: dict[str, torch.Tensor] = {}
     for name, e in layout.entries.items():
-        dtype = CODE_DTYPES[e.dtype]
+        dtype = code_dtypes()[e.dtype]
         if e.end == e.begin:
             out[name] = torch.empty(e.shape, dtype=dtype)
             continue
