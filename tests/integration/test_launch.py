@@ -19,7 +19,6 @@ from tests.plugins.leaks import Footprint, assert_nothing_left
 
 pytestmark = pytest.mark.integration
 
-SMALL = ("job.args.steps=12", "job.args.sleep_per_step_s=0", "spares.count=0")
 
 
 def reference_hash(world: int, steps: int, batch_size: int = 32, hidden: int = 64,
@@ -76,14 +75,43 @@ def kill_raylet_once_the_job_starts(run_root: Path, proc: subprocess.Popen,
     raise AssertionError(f"no raylet of node {node} found")
 
 
-@pytest.mark.timeout(300)
-def test_world_two_is_deterministic_and_matches_reference(tmp_path: Path) -> None:
-    """Two launches end alike, and like one process computing the same job; the second
-    loses a Ray node while it starts (before its first step) and starts once more."""
-    first = launch("configs/demo.yaml", "job.world_size=2", *SMALL, run_root=tmp_path)
+# world 2 on 2 nodes (a sum of two gradients is exact in any order, so one process computes
+# the same bits), snapshots every 4 steps, a commit written every 5 committed steps
+STEADY = ("job.world_size=2", "job.args.steps=60", "job.args.sleep_per_step_s=0.04",
+          "spares.count=0", "snapshot.every_steps=4", "replication.commit_every_steps=5",
+          "tiers.disk.enabled=false")
+
+
+@pytest.mark.timeout(420)
+def test_a_job_is_deterministic_learns_commits_and_leaves_nothing_behind(
+        tmp_path: Path, footprint: Footprint) -> None:
+    """Two launches of one job end alike, and like one process computing it. The first
+    leaves its run directory complete and nothing else behind, and its workers heard of
+    a committed step from their keepers (the launcher writes ``commit``, each keeper reads
+    it at its heartbeat and passes it on at every slot claim: no worker reads etcd for
+    it). The second loses a Ray node while it starts (before its first step) and starts
+    once more in a fresh run directory."""
+    first = launch("configs/demo.yaml", *STEADY, run_root=tmp_path)
     assert first.returncode == 0, first.stderr
-    proc = subprocess.Popen(phalanx_command("configs/demo.yaml", "job.world_size=2", *SMALL,
-                                            run_root=tmp_path),
+    assert set(first.hashes) == {0, 1}
+    assert len(set(first.hashes.values())) == 1, first.hashes
+    run_dir = Path(first.stdout.strip().splitlines()[-1].split(": ", 1)[1])
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "job.json").is_file()
+    assert not (run_dir / "etcd").exists(), "embedded etcd data dir must be removed"
+    assert {p.name for p in (run_dir / "logs").iterdir()} >= {f"rank_{r}_w{r}-g0.log"
+                                                             for r in range(2)}
+    events = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").open()]
+    assert events[0] == "started" and events[-1] == "finished" and "fault" not in events
+    assert not (run_dir / "ray-logs").exists(), "Ray's logs are kept only when a job fails"
+    logs = "".join(path.read_text() for path in (run_dir / "logs").iterdir())
+    committed = {int(rank): int(step) for rank, step in
+                 re.findall(r"rank (\d+) snapshots .* committed step (-?\d+)", logs)}
+    assert set(committed) == {0, 1}, logs[-2000:]
+    for step in committed.values():
+        # a snapshot step (every 4th), replicated on 2 keepers, heard of before the end
+        assert 0 < step < 60 and step % 4 == 0, committed
+
+    proc = subprocess.Popen(phalanx_command("configs/demo.yaml", *STEADY, run_root=tmp_path),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         kill_raylet_once_the_job_starts(tmp_path, proc)
@@ -96,46 +124,9 @@ def test_world_two_is_deterministic_and_matches_reference(tmp_path: Path) -> Non
     assert "before the job's first step" in second.stderr
     assert "starting the job once more" in second.stderr
     assert second.stderr.count("phalanx: run directory") == 2
-    assert set(first.hashes) == {0, 1}
-    assert len(set(first.hashes.values())) == 1, first.hashes
     assert first.hashes == second.hashes
     torch.set_num_threads(1)
-    assert first.hashes[0] == reference_hash(world=2, steps=12)
-
-
-@pytest.mark.timeout(300)
-def test_workers_learn_the_committed_step_from_their_keepers(tmp_path: Path) -> None:
-    """The launcher writes ``commit`` every 5 committed steps; each keeper reads it at its
-    heartbeat and passes it on at every slot claim: no worker touches etcd for it."""
-    result = launch("configs/demo.yaml", "job.world_size=2", "spares.count=0",
-                    "job.args.steps=80", "job.args.sleep_per_step_s=0.04",
-                    "snapshot.every_steps=4", "replication.commit_every_steps=5",
-                    "tiers.disk.enabled=false", run_root=tmp_path)
-    assert result.returncode == 0, result.stderr
-    run_dir = Path(result.stdout.strip().splitlines()[-1].split(": ", 1)[1])
-    logs = "".join(path.read_text() for path in (run_dir / "logs").iterdir())
-    committed = {int(rank): int(step) for rank, step in
-                 re.findall(r"rank (\d+) snapshots .* committed step (-?\d+)", logs)}
-    assert set(committed) == {0, 1}, logs[-2000:]
-    for step in committed.values():
-        # a snapshot step (every 4th), replicated on 2 keepers, heard of before the end
-        assert 0 < step < 80 and step % 4 == 0, committed
-
-
-@pytest.mark.timeout(300)
-def test_world_four_on_two_nodes_leaves_nothing_behind(tmp_path: Path, footprint: Footprint) -> None:
-    result = launch("configs/demo.yaml", "job.world_size=4", *SMALL, run_root=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert set(result.hashes) == {0, 1, 2, 3}
-    assert len(set(result.hashes.values())) == 1
-    run_dir = Path(result.stdout.strip().splitlines()[-1].split(": ", 1)[1])
-    assert (run_dir / "config.yaml").is_file() and (run_dir / "job.json").is_file()
-    assert not (run_dir / "etcd").exists(), "embedded etcd data dir must be removed"
-    assert {p.name for p in (run_dir / "logs").iterdir()} >= {f"rank_{r}_w{r}-g0.log"
-                                                             for r in range(4)}
-    events = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").open()]
-    assert events[0] == "started" and events[-1] == "finished" and "fault" not in events
-    assert not (run_dir / "ray-logs").exists(), "Ray's logs are kept only when a job fails"
+    assert first.hashes[0] == reference_hash(world=2, steps=60)
     assert_nothing_left(footprint)
 
 
