@@ -37,6 +37,14 @@ def drill(*args: str, run_root: Path, timeout_s: float = 420) -> subprocess.Comp
                           env=ENV)
 
 
+def fired_at_their_step(report: dict) -> None:
+    """``at_step: N`` fired with the ranks at step N exactly, not a few steps later (every
+    rank is held at N until the launcher fired it: ``runtime.worker.drill_hooks``)."""
+    for fault in report["faults"]:
+        if fault["trigger"].startswith("at step "):
+            assert fault["step"] == int(fault["trigger"].removeprefix("at step ")), fault
+
+
 def report_of(result: subprocess.CompletedProcess) -> dict:
     line = next(ln for ln in result.stderr.splitlines() if ln.startswith("report: ")
                 and ln.endswith(".json"))
@@ -67,6 +75,7 @@ def test_shipped_scenario_passes(name: str, run_root: Path, footprint: Footprint
     assert "drill PASSED" in result.stderr
     rows = {row["check"]: row for row in report["checks"]}
     assert rows["every fault fired"]["ok"]
+    fired_at_their_step(report)
     if report["scenario"].get("expect", {}).get("final_state") == "identical":
         assert rows["final state"]["measured"] == "identical"
     run_dir = Path(report["run"]["run_dir"])
@@ -276,5 +285,6 @@ def test_chaos_campaign_of_ten_faults_ends_bit_identical(run_root: Path) -> None
     assert report["passed"]
     fired = [f for f in report["faults"] if f.get("step") is not None]
     assert len(fired) == 10
+    fired_at_their_step(report)
     final = next(r for r in report["checks"] if r["check"] == "final state")
     assert final["measured"] == "identical"
