@@ -200,9 +200,8 @@ class JobRunner:
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.2)
-        if lost:
-            raise StartupLost(f"Ray lost {len(lost)} node(s) ({', '.join(n[:12] for n in lost)}) "
-                              f"before the job's first step: {str(cause)[:300]}")
+        raise StartupLost(f"Ray lost {len(lost)} node(s) ({', '.join(n[:12] for n in lost)}) "
+                          f"before the job's first step: {str(cause)[:300]}")
 
     def _finish(self, run: RunDir, slots: dict[int, RankSlot],
                 coordinator: RecoveryCoordinator, started: float) -> JobResult:
