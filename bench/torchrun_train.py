@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """One torchrun worker of ``bench/vs_torchrun.py``: the examples' training loop (the same
-model, data, all-reduce and optimizer as ``examples/train_mlp.py`` and
+model, data, DistributedDataParallel and optimizer as ``examples/train_mlp.py`` and
 ``examples/train_transformer.py`` run under phalanx) with ``torch.distributed.checkpoint``
 (DCP) saves every ``--every`` steps and resume from the newest complete one.
 
@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
 import train_mlp  # noqa: E402
@@ -76,15 +77,16 @@ class Job:
             self.loss = lm_loss
         else:
             raise SystemExit(f"--job {name!r}: expected mlp or transformer")
+        # After the optimizer (the same parameter objects). find_unused_parameters: DDP then
+        # keeps its construction-time buckets, as a phalanx job's DDP does (its spares must
+        # join with the survivors' layout); a rebuilt layout sums in another order (4 ranks)
+        self.model = DDP(self.model, find_unused_parameters=True)
         self.steps = int(args.get("steps", 60))
         self.sleep_s = float(args.get("sleep_per_step_s", 0.0))
 
-    def step(self, rank: int, world: int, step: int) -> None:
+    def step(self, rank: int, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=False)
         self.loss(rank, step).backward()
-        for p in self.model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -160,7 +162,7 @@ def main() -> None:
 
     pending = None
     while step < job.steps:
-        job.step(rank, world, step)
+        job.step(rank, step)
         step += 1
         record("step", step=step - 1)
         if args.every and step % args.every == 0 and step < job.steps:

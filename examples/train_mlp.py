@@ -1,8 +1,10 @@
 """Deterministic data-parallel training of a small MLP on synthetic data.
 
 Each rank draws its batch from a generator seeded by (seed, rank, step), so a run's result
-depends only on its config; gradients are averaged with an all-reduce. Prints and returns
-the sha256 of the concatenated final parameters.
+depends only on its config. The script's own ``init_process_group()`` and
+``DistributedDataParallel`` average the gradients, as under torchrun; phalanx re-forms that
+group in place after a fault. Prints and returns the sha256 of the concatenated final
+parameters.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import hashlib
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import phalanx
 if __package__:              # imported as examples.train_mlp (the tests)
@@ -43,8 +47,10 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
          seed: int = 0, sleep_per_step_s: float = 0.0, step_log: str = "") -> dict:
     """``step_log``: a path prefix; each rank then writes ``<prefix>.rank<r>.json`` with
     every step's wall time and end (see ``step_log.py``; the benches read it)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     session = phalanx.Session()
-    model = make_model(hidden, seed)
+    model = DDP(make_model(hidden, seed))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
     session.register(model=model, optimizer=optimizer, scheduler=scheduler)
@@ -58,9 +64,6 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
                 optimizer.zero_grad(set_to_none=False)
                 loss = nn.functional.mse_loss(model(x), y)
                 loss.backward()
-                for p in model.parameters():
-                    session.all_reduce(p.grad)
-                    p.grad /= session.world_size
                 optimizer.step()
                 scheduler.step()
                 if sleep_per_step_s:

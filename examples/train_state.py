@@ -11,7 +11,10 @@ from step 0 (created zeroed before the first snapshot), so the snapshot of every
 parameters + momentum, about twice ``state_mb``, and its size never changes.
 
 Each rank draws its batch from a generator seeded by (seed, rank, step); gradients are
-averaged with an all-reduce. Prints the measured snapshot size, the median wall time of a
+averaged with ``session.all_reduce``, one active parameter at a time: the one example that
+keeps a hand-written all-reduce, because DDP would all-reduce every bucket of the whole
+state each step (zeros for the idle layers) and the bench wants a big state with small
+compute and traffic. Prints the measured snapshot size, the median wall time of a
 step (snapshot included) and the sha256 of the final parameters, and returns them.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ tokens; most parameters are the embedding and the output projection).
 
 Each rank draws its tokens from a generator seeded by (seed, rank, step): sequences that
 follow ``next = (5 * token + 3) % vocab`` from a random start, so the loss falls as the model
-learns the rule. Gradients are averaged with an all-reduce. Adam's state is created zeroed
+learns the rule. Gradients are averaged by ``DistributedDataParallel``. Adam's state is created zeroed
 before the first step, so it exists in the first snapshot (and a checkpoint loader finds
 every key). Prints and returns the sha256 of the final parameters.
 """
@@ -16,7 +16,9 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import phalanx
 if __package__:              # imported as examples.train_transformer
@@ -101,8 +103,10 @@ def main(steps: int = 40, batch_size: int = 2, lr: float = 1e-3, seed: int = 0,
          layers: int = DEFAULTS["layers"], heads: int = DEFAULTS["heads"],
          seq_len: int = DEFAULTS["seq_len"], step_log: str = "") -> dict:
     """``step_log``: a path prefix for per-step timings (see ``step_log.py``)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     session = phalanx.Session()
-    model = make_model(seed, vocab, d_model, layers, heads, seq_len)
+    model = DDP(make_model(seed, vocab, d_model, layers, heads, seq_len))
     optimizer = make_optimizer(model, lr)
     session.register(model=model, optimizer=optimizer)
     nbytes = state_bytes(model, optimizer)
@@ -117,9 +121,6 @@ def main(steps: int = 40, batch_size: int = 2, lr: float = 1e-3, seed: int = 0,
                 optimizer.zero_grad(set_to_none=False)
                 loss = loss_of(model, tokens)
                 loss.backward()
-                for p in model.parameters():
-                    session.all_reduce(p.grad)
-                    p.grad /= session.world_size
                 optimizer.step()
             log.end(session, step)
         seconds = time.perf_counter() - started

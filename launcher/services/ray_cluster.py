@@ -164,6 +164,9 @@ class LocalRay:
     def _head_args(self) -> dict[str, Any]:
         return {
             "num_cpus": 0, "temp_dir": str(self._temp_dir), "include_dashboard": False,
+            # no autoscaler: a fixed local cluster has nothing to scale, and its monitor is
+            # one more Python process importing Ray on the start-up's two cores
+            "no_monitor": True,
             "object_store_memory": self._cfg.object_store_mb * 1024 * 1024,
             "node_ip_address": "127.0.0.1",
             "_system_config": {
