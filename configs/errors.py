@@ -47,6 +47,16 @@ class SnapshotNotFound(FatalError):
     """No source holds the requested (rank, step)."""
 
 
+class SnapshotOfOtherRun(SnapshotNotFound):
+    """A tier's files of a step belong to another run of the job (a relaunch into the same
+    tier path): never restored, committed or deleted as this run's."""
+
+
+class ResumeRefused(FatalError):
+    """``phalanx launch --resume`` found no checkpoint to resume from, or one that does not
+    fit this launch (world size, HMAC, checksums)."""
+
+
 class TierUnavailable(TransientError):
     """A persistent tier (disk, S3) refused a read or a write."""
 
@@ -80,6 +90,12 @@ class ReplicasNeverAgreed(FatalError):
     """The replicated state differed across ranks before any step ever agreed: the ranks did
     not start from the same state (e.g. unseeded initialisation without a broadcast), which
     no repair or rollback can fix. Not silent corruption."""
+
+
+class StateNotCapturable(FatalError):
+    """The training loop holds state a snapshot cannot capture (gradients accumulated across
+    ``session.step()`` calls): a restore would silently lose it. The message names the
+    state and the fix (docs/porting.md, "What the loop must not do")."""
 
 
 class ServiceStartError(FatalError):

@@ -168,6 +168,9 @@ class SnapshotConfig:
     rank_size_mb: float = doc("expected snapshot size per rank (MiB): the launcher refuses to "
                               "start when shared memory cannot hold slots + replicas; 0 = "
                               "checked by the keeper at the first snapshot", 0.0)
+    allow_unprotected: bool = doc("train on when the snapshots measured at the first one do "
+                                  "not fit shared memory (slots + replicas on every node): "
+                                  "an alert event and a status line instead of failing", False)
 
     def __post_init__(self) -> None:
         _require(self.every_steps == "auto" or (isinstance(self.every_steps, int)

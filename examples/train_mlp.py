@@ -54,6 +54,7 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
     session.register(model=model, optimizer=optimizer, scheduler=scheduler)
+    loss = torch.zeros(())        # a run resumed at its last step trains no step
     with session:
         started = time.perf_counter()
         log = StepLog(step_log)

@@ -103,12 +103,12 @@ def _ls(accesses: list[Access], console: Console, out: TextIO, as_json: bool) ->
                           highlight=False, soft_wrap=True)
             continue
         table = Table(title=f"tier {access.tier.name}  {escape(access.location)}")
-        for column in ("step", "state", "ranks", "bytes", "created_at"):
+        for column in ("step", "state", "ranks", "bytes", "created_at", "run"):
             table.add_column(column)
         for s in steps:
             state = s.state + (f" (missing {_ranges(s.missing_ranks)})" if s.missing_ranks else "")
             table.add_row(str(s.step), state, _ranges(s.ranks), _size(s.total_bytes),
-                          iso_time(s.created_at))
+                          iso_time(s.created_at), escape(s.run or "-"))
         console.print(table)
     return EXIT_OK
 

@@ -10,7 +10,7 @@ import os
 import re
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
@@ -65,6 +65,7 @@ class StepListing:
     missing_ranks: tuple[int, ...]
     total_bytes: int
     created_at: float
+    run: str = ""      # the run that wrote it (its marker's, else its ranks' records)
 
     @property
     def state(self) -> str:
@@ -224,7 +225,24 @@ def list_steps(access: Access) -> list[StepListing]:
             markers[step] = marker_ranks(access.marker(step))
         except SnapshotNotFound:    # deleted since the listing (retention): ranks unknown
             markers[step] = None
-    return summarize_steps(access.tier.name, access.location, objects, markers)
+    listings = summarize_steps(access.tier.name, access.location, objects, markers)
+    return [replace(listing, run=_step_run(access, listing)) for listing in listings]
+
+
+def _step_run(access: Access, listing: StepListing) -> str:
+    """The run id a step belongs to: its marker's, else its lowest rank's record ("")."""
+    from phalanx.runtime.tiers.run_identity import RankRecord, marker_run, record_name
+
+    tier: Any = access.tier
+    try:
+        if listing.committed:
+            return marker_run(tier.get_object(listing.step, COMMIT_NAME))
+        ranks = sorted(listing.ranks + listing.missing_ranks)
+        record = RankRecord.parse(tier.get_object(listing.step, record_name(ranks[0]))) \
+            if ranks else None
+    except (TierUnavailable, SnapshotNotFound):
+        return ""
+    return record.run if record is not None else ""
 
 
 # ------------------------------------------------------------------------ checking

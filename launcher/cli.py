@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--standby", action="store_true",
                         help="stand by for a job another launcher leads and take it over when "
                         "that launcher stops (needs coordinator.standby: true)")
+    _add_resume(launch)
     run = sub.add_parser("run", help="run a training script like torchrun, with no YAML: "
                          "phalanx run --nnodes 2 --nproc-per-node 2 train.py --lr 0.1",
                          description="Run SCRIPT as __main__ on every rank with ARGS, like "
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", default=None, help="a YAML config to start from")
     run.add_argument("--set", dest="overrides", action="append", default=[],
                      metavar="KEY=VALUE", help="override a config key (repeatable)")
+    _add_resume(run)
     run.add_argument("script", help="the training script (run as __main__)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
     status = sub.add_parser("status", help="show members, snapshots and the commit point of a "
@@ -61,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_drill_parser(sub)
     add_ckpt_parser(sub)
     return parser
+
+
+def _add_resume(parser: argparse.ArgumentParser) -> None:
+    from phalanx.launcher.resume import parse_resume
+
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, type=parse_resume,
+                        metavar="STEP|latest", help="start from an earlier run's committed "
+                        "checkpoint of this job (default: the latest), verified (world size, "
+                        "HMAC, checksums) before anything starts: the restart after a total "
+                        "loss")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,7 +171,8 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
     check_before_start(cfg, Path.cwd(), args.config, args.overrides)   # before Ray and etcd
     from phalanx.launcher.job import JobRunner  # imports Ray and torch: only when launching
 
-    result = JobRunner(cfg, console, standby=args.standby).run()
+    result = JobRunner(cfg, console, standby=args.standby,
+                       resume=getattr(args, "resume", None)).run()
     hashes = {rank: final_hash(value) for rank, value in result.results.items()
               if isinstance(value, dict)}
     for rank, digest in hashes.items():

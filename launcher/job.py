@@ -11,7 +11,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AbstractSet, Any, Mapping
+from typing import AbstractSet, Any, Callable, Mapping
 
 import ray
 from rich.console import Console
@@ -20,10 +20,12 @@ from phalanx.configs.errors import ConfigError, PhalanxError, PlanInfeasible, Tr
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.runtime.base import Generation, MemberRecord, Rank, Step, WorkerId, node_name
 from phalanx.runtime.tiers.config import build_tiers
-from phalanx.launcher.coordination.commit_tracker import CommitTracker
+from phalanx.launcher.coordination.commit_tracker import CommitTracker, reset_commit_point
+from phalanx.launcher.coordination.bounds import fault_after_finish, unfinished_faults
 from phalanx.launcher.coordination.coordinator import RankSlot, RecoveryCoordinator
 from phalanx.launcher.drills.seam import JobDrills
 from phalanx.launcher.run_observer import RunObserver
+from phalanx.launcher.resume import ResumePoint, adopt_secret, announce, find_resume_point
 from phalanx.launcher.run_summary import record_run_end
 from phalanx.launcher.services.etcd_outage import EtcdOutage, outage_grace_s
 from phalanx.launcher.events import EventLog
@@ -53,9 +55,8 @@ from phalanx.runtime.membership.generation import GENERATION_KEY
 from phalanx.runtime.membership.etcd import client_fields
 from phalanx.runtime.tiers.config import read_job_secret
 from phalanx.runtime.worker.session import FINISHED_PREFIX
-from phalanx.runtime.keeper.shm import check_capacity, memory_plan, remove_stale, shm_prefix
-
-REPLICA_KEEP = 2  # replica steps a keeper keeps per rank (Keeper's default)
+from phalanx.runtime.keeper.memory_plan import check_config_plan
+from phalanx.runtime.keeper.shm import remove_stale, shm_prefix
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,11 @@ class JobRunner:
     cause (``WorkerFailed`` with the rank's traceback, ``ServiceStartError``, ...)."""
 
     def __init__(self, cfg: PhalanxConfig, console: Console | None = None,
-                 base_dir: Path | None = None, standby: bool = False) -> None:
+                 base_dir: Path | None = None, standby: bool = False,
+                 resume: str | None = None) -> None:
         self.cfg = cfg
+        self.resume = resume                 # --resume (phalanx.launcher.resume)
+        self.resume_point: ResumePoint | None = None
         self.console = console or Console(stderr=True)
         self.entrypoint = check_before_start(cfg, base_dir or Path.cwd())
         self.secret_hex = ""
@@ -127,6 +131,8 @@ class JobRunner:
         self.cfg, self.drills = JobDrills.open(self.cfg)
         try:
             self._check_tiers()
+            if self.resume:    # verified before anything starts; ResumeRefused otherwise
+                self.resume_point = find_resume_point(self.cfg, self.resume)
             for attempt in range(1, STARTUP_ATTEMPTS + 1):
                 try:
                     return self._run_once(started)
@@ -147,6 +153,8 @@ class JobRunner:
         self.keepers, self._slots, self._signals_at_start = {}, {}, []
         self._first_step_seen = False
         run = RunDir.create(self.cfg)
+        if self.resume_point is not None:
+            adopt_secret(run.path, self.resume_point, self.cfg)
         self.secret_hex = job_secret(self.cfg, run).hex()
         self.console.print(f"phalanx: run directory {run.path}", markup=False)
         with contextlib.ExitStack() as stack:
@@ -158,9 +166,10 @@ class JobRunner:
                            "etcd_prefix": self.cfg.etcd.prefix, "launcher_pid": os.getpid(),
                            "etcd_client": client_fields(self.cfg.etcd),
                            "world_size": self.cfg.job.world_size,
-                           "started_at": self._started_at,
+                           "started_at": self._started_at, "run_id": run.path.name,
                            "launcher_host": socket.gethostname()})
             self._use(services, stack)
+            reset_commit_point(services.membership)     # not an earlier run's (shared etcd)
             try:
                 # keepers, spares, then ranks (_start_workers): starting every actor at once
                 # right after Ray came up (each imports torch) starved the fresh raylets'
@@ -174,6 +183,8 @@ class JobRunner:
                 coordinator.fence_initial()
                 events.emit("started", world_size=self.cfg.job.world_size,
                             nodes=self.cfg.job.nodes, spares=self.cfg.spares.count)
+                if self.resume_point is not None:
+                    announce(self.resume_point, events, self.console)
                 slots = self._start_workers(run)
                 if self.keepers:
                     coordinator.place(slots)
@@ -211,6 +222,10 @@ class JobRunner:
             self.handed_over = True
             raise
         except (PhalanxError, KeyboardInterrupt) as exc:  # the report names what ended it
+            if isinstance(exc, PhalanxError) and self._lost_leadership():
+                self.handed_over = True    # a standby leads: the job is its, not torn down
+                raise LeadershipLost(f"{exc} (this launcher no longer leads: the job is "
+                                     "left to the standby)") from exc
             coordinator.events.emit("job_failed", error_type=type(exc).__name__,
                                     message=str(exc)[:2000])
             record_run_end(run.path, "failed", coordinator, started, error=exc)
@@ -320,18 +335,12 @@ class JobRunner:
             lambda slot, gen, restore: self._launch(run, slot, gen, restore), events,
             str(run.path))
         coordinator.store_address = (services.store_host, services.store.port)
+        coordinator.still_leading = self._check_leadership   # asked between recovery retries
         return coordinator
 
     def _check_memory(self) -> None:
         """Refuse to start when shared memory cannot hold every node's snapshots."""
-        cfg = self.cfg
-        if not cfg.snapshot.enabled or cfg.snapshot.rank_size_mb <= 0:
-            return
-        factor = cfg.replication.copies
-        per_node = -(-cfg.job.world_size // cfg.job.nodes)
-        required = cfg.job.nodes * memory_plan(int(cfg.snapshot.rank_size_mb * 2**20), per_node,
-                                               cfg.snapshot.slots, factor, REPLICA_KEEP)
-        check_capacity(required, cfg.snapshot.shm_dir)
+        check_config_plan(self.cfg)
 
     def _release_shared_memory(self) -> None:
         """What no keeper unlinked (its node lost or cut off, its process killed) goes when
@@ -457,8 +466,9 @@ class JobRunner:
                             name=f"{self.cfg.job.name}-rank{rank}")
             slots[rank] = slot
         self._slots = slots
+        restore = None if self.resume_point is None else self.resume_point.restore_for(self.cfg)
         for slot in slots.values():
-            slot.ref = self._launch(run, slot, 0, None)
+            slot.ref = self._launch(run, slot, 0, restore)
         return slots
 
     def _watch(self, run: RunDir, slots: dict[int, RankSlot],
@@ -476,7 +486,8 @@ class JobRunner:
         observer = RunObserver(coordinator.events, lambda g: coordinator.holders_before.get(g, {}))
         factor = cfg.replication.copies
         commits = CommitTracker(self.services.membership, cfg.job.world_size, factor,
-                                cfg.replication.commit_every_steps)
+                                cfg.replication.commit_every_steps,
+                                keepers=lambda: [addr for _, addr in self.keepers.values()])
         coordinator.committed = lambda: commits.committed
         stall = StallDetector(cfg.detection.stall_timeout_s)
         outage = EtcdOutage(self.services.membership, coordinator.events.emit,
@@ -505,6 +516,8 @@ class JobRunner:
                 if faults and not self._first_step_seen and any(
                         f.kind in NODE_LOSS_KINDS for f in faults):
                     self._check_startup_nodes(faults[0].evidence, wait_s=self._ray_death_s())
+                if faults and results:     # a finished rank cannot join a new group
+                    faults = _after_finish(faults, results, slots, self._finished_step)
                 if faults:
                     if not cfg.recovery.enabled:
                         raise PlanInfeasible(f"recovery is disabled: {faults[0].evidence}")
@@ -512,6 +525,7 @@ class JobRunner:
                     stall.reset()
                 coordinator.retry(slots)
                 coordinator.check_resumed(members)
+                coordinator.check_rejoined(members, set(results))
                 self._publish_state(run, slots, coordinator)
                 commits.poll()
                 if injector is not None:
@@ -557,6 +571,28 @@ class JobRunner:
                 raise
             log.warning("event=coordinator_lease_renewed after=%r", str(exc)[:200])
 
+    def _lost_leadership(self) -> bool:
+        """With a standby configured: whether this launcher's coordinator lease is gone (or
+        etcd stopped confirming it), so a failure seen now (a recovery that could not
+        reach etcd) is the standby's to handle rather than a reason to tear the job down."""
+        if not self.cfg.coordinator.standby:
+            return False
+        try:
+            self.services.leadership.check()
+        except LeadershipLost:
+            return True
+        except PhalanxError as exc:       # etcd unreachable from here: judged as before
+            log.warning("event=leadership_check_failed error=%s", exc)
+        return not self.services.leadership.held
+
+    def _finished_step(self, worker_id: str) -> int:
+        """The step a worker that left on purpose returned at (-1: unknown)."""
+        try:
+            kv = self.services.membership.get(f"{FINISHED_PREFIX}{worker_id}")
+            return int(kv.value) if kv is not None else -1
+        except (PhalanxError, ValueError):
+            return -1
+
     def _finished_workers(self) -> set[str]:
         """Workers that left membership on purpose (their entrypoint returned)."""
         return {kv.key.removeprefix(FINISHED_PREFIX)
@@ -593,6 +629,18 @@ class JobRunner:
         if not faults and coordinator.pending is None and coordinator.waiting is None:
             faults = stall.check(now)     # (ranks waiting for a parked plan are not hung)
         return faults
+
+
+def _after_finish(faults: list[FaultReport], results: Mapping[int, Any],
+                  slots: Mapping[int, RankSlot],
+                  step_of: Callable[[str], int]) -> list[FaultReport]:
+    """``faults`` once some rank returned: those about finished ranks only are dropped
+    (their work is done); any other raises ``FaultAfterFinish`` at once, naming the step
+    each finished rank returned at (``step_of(worker)``)."""
+    left = unfinished_faults(faults, set(results))
+    if not left:
+        return []
+    raise fault_after_finish(left, {rank: step_of(slots[rank].worker_id) for rank in results})
 
 
 def _stale(signal: Any, live: AbstractSet[str], generation: int, recovering: bool) -> bool:

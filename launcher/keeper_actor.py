@@ -16,6 +16,7 @@ from phalanx.configs.loader import load_config_text
 from phalanx.runtime.logs import DEFAULT_FORMAT, bind_fields, configure_logging
 from phalanx.runtime.node import node_keeper
 from phalanx.runtime.keeper.fence import KeeperFence
+from phalanx.runtime.keeper.memory_plan import MemoryPlan
 from phalanx.runtime.keeper.reporter import KeeperReporter, keeper_member, report_from_keeper
 from phalanx.runtime.membership.etcd import (EtcdMembership, client_fields, client_options,
                                              job_prefix)
@@ -46,7 +47,10 @@ class KeeperActor:
                                    shm_dir=cfg.snapshot.shm_dir, slots=cfg.snapshot.slots,
                                    bind_host=cfg.replication.bind_host,
                                    generation_check=lambda generation: generation >= self._fence,
-                                   timeout_s=cfg.replication.timeout_s).start()
+                                   timeout_s=cfg.replication.timeout_s,
+                                   plan=MemoryPlan.from_config(cfg),
+                                   allow_unprotected=cfg.snapshot.allow_unprotected,
+                                   on_event=self._on_event).start()
         self._replicator = None
         if cfg.replication.enabled and cfg.replication.factor > 0:
             self._replicator = Replicator(
@@ -76,6 +80,8 @@ class KeeperActor:
         holders, persist the ranks now on this node."""
         self._fence = self._generation = generation
         self._write_fence.given(generation)
+        self._keeper.retarget(local_ranks, [int(r) for r, nodes in holders.items()
+                                            if self._node in nodes])
         if self._replicator is not None:
             mine = {int(r): list(holders.get(r, [])) for r in local_ranks if holders.get(r)}
             self._replicator.set_targets(generation, mine,

@@ -20,7 +20,7 @@ KEEPER_EVENTS_FINAL_WAIT_S = 5.0
 # such as tier_degraded or replica_failed) also goes to etcd for `phalanx status`.
 ROUTINE_KEEPER_EVENTS = frozenset({"tier_persisted"})
 ALERT_KEEPER_EVENTS = frozenset({"tier_degraded", "tier_commit_abandoned", "tier_skipped",
-                                 "persister_error", "replica_failed"})
+                                 "persister_error", "replica_failed", "snapshot_unprotected"})
 
 
 class KeeperEvents:

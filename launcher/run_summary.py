@@ -45,6 +45,8 @@ def build_summary(outcome: str, job: str, world_size: int, events: Sequence[Even
                 last.get("generation", 0)),
             "committed_step": -1 if committed_step is None else committed_step,
             "recoveries": len(recovered),
+            "resumed_from": next(({k: v for k, v in e.items() if k not in ("event", "time")}
+                                  for e in ordered if e.get("event") == "resumed_from"), None),
             "recovery_history": [{k: r.get(k) for k in RECOVERY_FIELDS} for r in recovered],
             "started_at": round(started_at, 3), "ended_at": round(ended_at, 3),
             "wall_s": round(ended_at - started_at, 3), "error": dict(error) if error else None,

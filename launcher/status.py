@@ -1,7 +1,8 @@
 """``phalanx status``: one document describing a run, live or ended. A running job's comes
 from its etcd (members with rank, worker, node, step and heartbeat age; generation; the
 coordinator's phase; the committed step; what each keeper holds; the newest events, tier
-alerts such as ``tier_degraded`` included) and its goodput so far from ``events.jsonl``; a
+alerts such as ``tier_degraded`` included) and its goodput so far and snapshot protection
+(degraded after a ``snapshot_unprotected`` alert) from ``events.jsonl``; a
 finished or failed run's from its ``summary.json``; a run whose launcher died without one
 (its etcd does not answer) from what ``events.jsonl`` still tells. ``--json`` prints the
 document; the default view renders it (``phalanx.launcher.status_view``)."""
@@ -94,7 +95,7 @@ def live_document(info: Mapping[str, Any], run_dir: Path, members: Mapping[str, 
             "generation": generation, "phase": _phase(etcd_events) or _phase(events) or "steady",
             "committed_step": committed, "world_size": int(info.get("world_size", 0)),
             "ranks": ranks, "keepers": keepers, "events": recent, "goodput": dict(goodput),
-            "summary": None}
+            "protection": protection([*events, *etcd_events]), "summary": None}
 
 
 def ended_document(info: Mapping[str, Any], run_dir: Path, summary: Mapping[str, Any],
@@ -109,9 +110,22 @@ def ended_document(info: Mapping[str, Any], run_dir: Path, summary: Mapping[str,
             "committed_step": int(summary.get("committed_step", -1)),
             "world_size": int(summary.get("world_size") or info.get("world_size", 0)),
             "ranks": [], "keepers": [], "events": list(events)[-EVENTS_SHOWN:],
-            "goodput": summary.get("goodput"), "summary": dict(summary),
+            "goodput": summary.get("goodput"), "protection": protection(events),
+            "summary": dict(summary),
             "etcd_endpoints": list(info.get("etcd_endpoints", [])),
             "launcher_pid": info.get("launcher_pid")}
+
+
+def protection(events: Sequence[Event]) -> dict[str, Any]:
+    """Pure: whether the run's snapshots have the memory they were planned with. ``full``,
+    or ``degraded`` when a keeper found they do not fit and the job trains on because of
+    ``snapshot.allow_unprotected`` (``snapshot_unprotected`` events: nodes, newest reason)."""
+    alerts = [e for e in events if e.get("event") == "snapshot_unprotected"]
+    if not alerts:
+        return {"state": "full"}
+    return {"state": "degraded", "nodes": sorted({str(e.get("node", "?")) for e in alerts}),
+            "ranks": sorted({int(e["rank"]) for e in alerts if isinstance(e.get("rank"), int)}),
+            "reason": str(alerts[-1].get("reason", ""))}
 
 
 def _read_live(info: Mapping[str, Any], timeout_s: float

@@ -29,6 +29,7 @@ def render_status(doc: Doc, console: Console) -> None:
                   f"{doc['run_dir']}", highlight=False, soft_wrap=True)
     if doc.get("goodput"):
         console.print(f"so far: {summary_line(doc['goodput'])}", highlight=False)
+    _render_protection(doc, console)
     ranks = doc["ranks"]
     grouped = len(ranks) >= GROUP_FROM
     console.print(rank_groups_table(ranks) if grouped else ranks_table(ranks))
@@ -58,6 +59,7 @@ def _render_ended(doc: Doc, console: Console) -> None:
                   highlight=False, soft_wrap=True)
     if doc.get("goodput"):
         console.print(summary_line(doc["goodput"]), highlight=False)
+    _render_protection(doc, console)
     for record in summary.get("recovery_history") or []:
         console.print(f"  recovered from {record.get('fault')} of ranks {record.get('ranks')}: "
                       f"generation {record.get('generation')}, restore step "
@@ -66,6 +68,22 @@ def _render_ended(doc: Doc, console: Console) -> None:
                       highlight=False)
     if doc["events"]:
         console.print(events_table(doc["events"]))
+
+
+def protection_line(protection: Mapping[str, Any] | None) -> str | None:
+    """The status line of degraded snapshot protection; None when protection is full."""
+    if not protection or protection.get("state") != "degraded":
+        return None
+    ranks = protection.get("ranks") or []
+    return (f"snapshot protection: DEGRADED on {', '.join(protection.get('nodes') or ['?'])}"
+            + (f" (ranks {_sample(ranks)})" if ranks else "")
+            + f": {protection.get('reason', '')}")
+
+
+def _render_protection(doc: Doc, console: Console) -> None:
+    line = protection_line(doc.get("protection"))
+    if line is not None:
+        console.print(line, style="bold red", highlight=False, markup=False, soft_wrap=True)
 
 
 def ranks_table(ranks: Sequence[Mapping[str, Any]]) -> Table:

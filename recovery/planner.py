@@ -14,7 +14,9 @@ every tier, so a rank whose first source fails at restore time tries the next wi
 anyone planning again.
 
 If some rank's committed step is in none of them, every rank rolls back to the newest step
-complete in a persistent tier (``Rollback``) and the ladder runs again at that step. Silent
+complete in a persistent tier (``Rollback``) and the ladder runs again at that step. With
+nothing committed at all (``Rollback(-1)``) every rank starts over from its initial state:
+the lost ranks are placed as below and every survivor gets a fresh worker on its node. Silent
 corruption caps the restore step at the newest step whose replicas agreed on every rank
 (every rank rolls back; no worker is replaced), and each corrupted rank takes its
 replicated state from a healthy peer's own keeper (``RepairFromPeer``). Lost
@@ -131,6 +133,10 @@ def plan_recovery(faults: Sequence[FaultReport], world: WorldView, replicas: Rep
             return stop(f"no spare and no healthy node to restart rank(s) "
                         f"{_ranks_text(unplaced)}")
         placements += restarts
+    replaced = (f"{len(damage.lost)} rank(s) replaced ({len(promoted)} spare(s), "
+                f"{len(placements) - len(promoted)} restart(s))")
+    if restore.step < 0:     # nothing to restore: the survivors start over too
+        placements += _restart_survivors(survivors, world)
     rank_workers = dict(survivors)
     for action in placements:
         rank_workers[action.rank] = _worker_for(action, generation)
@@ -139,8 +145,9 @@ def plan_recovery(faults: Sequence[FaultReport], world: WorldView, replicas: Rep
     actions += restore.sources
     actions += repairs
     sources = _ladders(rank_workers, world, damage, replicas, tiers, restore, repairs)
-    reason = (f"{headline}; {len(damage.lost)} rank(s) replaced ({len(promoted)} spare(s), "
-              f"{len(placements) - len(promoted)} restart(s)); resume at step {restore.step}")
+    resume = (f"resume at step {restore.step}" if restore.step >= 0
+              else f"all {world.world_size} rank(s) start over")
+    reason = f"{headline}; {replaced}; {resume}"
     if repairs:
         reason += "; replicated state from peers: " + ", ".join(
             f"rank {r.rank} <- rank {r.peer}" for r in repairs)
@@ -348,6 +355,15 @@ def _pop_avoiding(heap: list[tuple[int, NodeId]], avoid: NodeId | None,
     second = heapq.heappop(heap)
     heapq.heappush(heap, first)
     return second
+
+
+def _restart_survivors(survivors: dict[Rank, WorkerId],
+                       world: WorldView) -> list[RestartWorker]:
+    """A fresh worker on its own node for every surviving rank, when no step is committed:
+    each rank runs its entrypoint again from its initial state, so the whole world starts
+    over together (a survivor's process is past that state and cannot rewind to it)."""
+    return [RestartWorker(rank, node) for rank in sorted(survivors)
+            if (node := world.node_of(rank)) is not None]
 
 
 def _worker_for(action: PromoteSpare | RestartWorker, generation: Generation) -> WorkerId:

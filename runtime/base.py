@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NewType, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, NewType, Protocol, runtime_checkable
 
 Rank = NewType("Rank", int)
 NodeId = NewType("NodeId", str)
@@ -193,6 +193,12 @@ class Membership(Protocol):
     def compare_and_swap(self, key: str, expected_revision: int, value: bytes) -> bool:
         """Write ``value`` only if ``key``'s mod_revision is ``expected_revision``
         (0 = key must not exist). Returns whether the write happened."""
+
+    def put_if(self, key: str, expected_revision: int, writes: Mapping[str, bytes]) -> bool:
+        """One transaction: write every key of ``writes`` (``key`` itself among them or not)
+        only if ``key``'s mod_revision is ``expected_revision`` (0 = key must not exist).
+        Returns whether the writes happened: all of them, or none (the fenced plan and
+        generation of a recovery)."""
 
     def watch_prefix(self, prefix: str, callback: Callable[[WatchEvent], None]) -> Callable[[], None]:
         """Call ``callback`` (from a watcher thread) for each change; returns a cancel function."""

@@ -1,10 +1,17 @@
 """Tracks the global commit point from the keepers' reports (``keepers/<node>``) and writes
 ``commit`` to etcd at most every ``replication.commit_every_steps`` steps (or every few
-seconds when it moved), never per step per rank."""
+seconds when it moved), never per step per rank.
+
+Only this run's keepers count: an etcd shared by launches of the same job can still hold
+an earlier run's ``commit`` and ``keepers/<node>`` keys (until their leases lapse, or its
+keepers linger), whose newer steps are not this run's. A launch resets ``commit``
+(``reset_commit_point``) before its keepers start, and the tracker reads only the reports
+of the keepers it was given."""
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Iterable
 
 from phalanx.configs.errors import MembershipUnavailable
 from phalanx.runtime.base import Membership
@@ -20,13 +27,23 @@ def read_reports(membership: Membership) -> dict[str, KeeperReport]:
             for kv in membership.list_prefix(KEEPERS)}
 
 
+def reset_commit_point(membership: Membership, now: float | None = None) -> None:
+    """Write "nothing committed" to ``commit`` at a launch, before any keeper reads it (an
+    earlier run's value would hand its step to this run's keepers and workers). Raises
+    MembershipUnavailable."""
+    membership.put(COMMIT_KEY, commit_value(-1, time.time() if now is None else now))
+
+
 class CommitTracker:
     """Owned by the launcher's main thread; ``poll`` is cheap (two etcd range reads: the
     keepers' reports and, for the replica gate, the members' records)."""
 
     def __init__(self, membership: Membership, world_size: int, factor: int,
-                 every_steps: int, every_s: float = 5.0, read_every_s: float = 0.5) -> None:
+                 every_steps: int, every_s: float = 5.0, read_every_s: float = 0.5,
+                 keepers: Callable[[], Iterable[tuple[str, int]]] | None = None) -> None:
+        """``keepers``: the addresses of this run's keepers (None: every report counts)."""
         self._membership = membership
+        self._keepers = keepers
         self._ranks = list(range(world_size))
         self._factor = factor
         self._every_steps = every_steps
@@ -44,7 +61,7 @@ class CommitTracker:
             return self.committed
         self._last_read = now
         try:
-            self.reports = read_reports(self._membership)
+            self.reports = self._own(read_reports(self._membership))
             step = committed_step(self.reports, self._ranks, self._factor)
             # never past a step the ranks' replica digests have not all agreed on
             step = gate(step, verified_ceiling(
@@ -63,3 +80,14 @@ class CommitTracker:
                 return self.committed
             self._written, self._written_at = self.committed, now
         return self.committed
+
+    def _own(self, reports: dict[str, KeeperReport]) -> dict[str, KeeperReport]:
+        """The reports of this run's keepers; another run's are dropped (and logged)."""
+        if self._keepers is None:
+            return reports
+        mine = {tuple(address) for address in self._keepers()}
+        own = {node: r for node, r in reports.items() if tuple(r.address) in mine}
+        if len(own) != len(reports):
+            log.info("event=commit_reports_ignored nodes=%s reason=not_this_runs_keepers",
+                     sorted(set(reports) - set(own)))
+        return own

@@ -16,7 +16,11 @@ from ray.exceptions import RayActorError
 
 from phalanx.configs.errors import PlanInfeasible
 from phalanx.configs.schema import PhalanxConfig
+from phalanx.launcher.coordination.bounds import (TierListing, laggards, not_reformed,
+                                                  rejoin_bound_s, tier_inventory_bound_s)
+from phalanx.launcher.coordination.retry import retry_transient
 from phalanx.launcher.events import EventLog
+from phalanx.launcher.services.leadership import FenceLost
 from phalanx.runtime.base import (KeeperCopy, PeerCopy, RestoreSource, TierCopy, node_index,
                                   node_name, source_to_json)
 from phalanx.recovery.base import (Abort, FaultKind, FaultReport, PromoteSpare, RecoveryPlan,
@@ -65,6 +69,9 @@ class Recovery:
     fault_wall: float = 0.0
     lost_steps: int = 0
     phase_start: int = 0
+    rejoin_by: float = float("inf")   # coordinator clock: the group re-formed by then
+    rejoin_s: float = 0.0             # the bound rejoin_by was set from
+    workers: dict[int, str] = field(default_factory=dict)   # rank -> its worker in the plan
 
 
 @dataclass
@@ -81,6 +88,7 @@ class Waiting:
 
 Launch = Callable[[RankSlot, int, dict | None], Any]
 WAIT_RETRY_S = 0.2        # how often a parked recovery looks for a warm spare
+KEEPER_CALL_S = 10.0      # one keeper call's timeout (retried within the recovery's deadline)
 
 
 class RecoveryCoordinator:
@@ -88,7 +96,8 @@ class RecoveryCoordinator:
 
     def __init__(self, cfg: PhalanxConfig, membership: Membership, keepers: dict[int, tuple[Any, tuple[str, int]]],
                  pool: SparePool | None, launch: Launch, events: EventLog,
-                 run_dir: str, clock: Callable[[], float] = time.monotonic) -> None:
+                 run_dir: str, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.cfg = cfg
         self.membership = membership
         self.keepers = keepers
@@ -97,6 +106,10 @@ class RecoveryCoordinator:
         self.events = events
         self.run_dir = run_dir
         self.clock = clock
+        self.sleep = sleep
+        # raises LeadershipLost once this launcher no longer leads (the job's poll check),
+        # asked between the tries of a recovery step that failed transiently
+        self.still_leading: Callable[[], None] = lambda: None
         self.phases = PhaseMachine(clock, on_change=lambda c: events.emit(
             "phase", **{"from": c.from_phase.value, "to": c.to_phase.value,
                         "reason": c.reason, "duration_s": round(c.duration_s, 4)}))
@@ -116,9 +129,23 @@ class RecoveryCoordinator:
         if not self.membership.compare_and_swap(GENERATION_KEY, 0, b"0"):
             raise PlanInfeasible("generation key already exists: another launcher runs this job")
 
-    def place(self, slots: Mapping[int, RankSlot]) -> None:
+    @property
+    def retry_budget_s(self) -> float:
+        """How long one recovery (or one placement) retries its transient failures:
+        ``recovery.group_timeout_s``, well within a survivor's wait for the plan."""
+        return self.cfg.recovery.group_timeout_s
+
+    def _retry(self, op: Callable[[], Any], what: str, deadline: float) -> Any:
+        return retry_transient(op, what, deadline, self.retry_budget_s, self.clock,
+                               self.sleep, self.still_leading)
+
+    def place(self, slots: Mapping[int, RankSlot], deadline: float | None = None) -> None:
         """Choose replica holders for this generation and hand every live keeper its part:
-        which local ranks to replicate where (and the generation that fences older writers)."""
+        which local ranks to replicate where (and the generation that fences older writers).
+        A keeper too busy to answer is asked again until ``deadline`` (default: the retry
+        budget from now); raises ``RecoveryStalled`` past it."""
+        if deadline is None:
+            deadline = self.clock() + self.retry_budget_s
         live = sorted(n for n in self.live_nodes if n in self.keepers)
         factor = min(self.cfg.replication.copies,
                      len(live) - 1)
@@ -131,10 +158,12 @@ class RecoveryCoordinator:
             holders = {int(r): list(h) for r, h in placement.holders.items()}
         addresses = {node_name(n): list(self.routes.get(n) or self.keepers[n][1]) for n in live}
         for node in live:
-            try:
-                ray.get(self.keepers[node][0].set_targets.remote(
+            def targets(node: int = node) -> Any:
+                return ray.get(self.keepers[node][0].set_targets.remote(
                     self.generation, [r for r, s in slots.items() if s.node == node], holders,
-                    addresses), timeout=30)
+                    addresses), timeout=max(0.1, min(KEEPER_CALL_S, deadline - self.clock())))
+            try:
+                self._retry(targets, f"replica targets of keeper {node_name(node)}", deadline)
             except RayActorError as exc:  # detected as a node fault on the next poll
                 self.events.emit("keeper_unreachable", node=node_name(node),
                                  error=str(exc).splitlines()[0][:200])
@@ -147,6 +176,7 @@ class RecoveryCoordinator:
         """Plan and execute one recovery; raises ``PlanInfeasible`` when the plan aborts. A
         plan that must wait for capacity parks the recovery (phase DEGRADED): ``retry``
         plans it again once a spare is warm, until ``spares.wait_timeout_s``."""
+        deadline = self.clock() + self.retry_budget_s
         if self.waiting is not None:       # faults while parked join the parked ones
             faults = self.waiting.faults + self.fresh(faults)
         root = min(faults, key=lambda f: f.observed_at)
@@ -179,10 +209,6 @@ class RecoveryCoordinator:
                                  self.cfg.spares, self.cfg.recovery, self.recoveries), time.time())
         self.events.emit("plan", generation=plan.generation, restore_step=plan.restore_step,
                          actions=[type(a).__name__ for a in plan.actions], reason=plan.reason)
-        if plan.restore_step < 0 and not plan.aborted:
-            plan = dataclasses.replace(plan, actions=(Abort(
-                f"{plan.reason}: no step is committed in memory or complete in a tier, so "
-                "there is nothing to roll back to; persist earlier (tiers.disk.every_steps)"),))
         if plan.waiting and not plan.aborted:
             self._park(list(faults), plan)
             return
@@ -193,18 +219,45 @@ class RecoveryCoordinator:
         self.holders_before[plan.generation] = {
             int(r): list(h) for r, h in self.placement.holders.items()} if self.placement else {}
         self.phases.transition(Phase.FENCING, f"generation {plan.generation}")
-        self._fence(plan, reports, slots)
+        self._fence(plan, deadline)
         self.phases.transition(Phase.PROMOTING, "plan published")
         self._promote(plan, slots, faults)
-        self.place(slots)
+        self.place(slots, deadline)
         self.phases.transition(Phase.RESTORING, "workers started")
         self.recoveries += 1
         newest = max([plan.restore_step, *(max(steps) for report in reports.values()
                                            for steps in report.local.values() if steps),
                       *reached])
+        bound = rejoin_bound_s(self.cfg.recovery.group_timeout_s, self.cfg.etcd.heartbeat_s,
+                               any(isinstance(a, RestartWorker) for a in plan.actions))
         self.pending = Recovery(plan.generation, plan.restore_step, root.observed_at, root,
                                 {"detect": detect_s}, plan.reason, fault_wall,
-                                max(0, newest - plan.restore_step), phase_start)
+                                max(0, newest - plan.restore_step), phase_start,
+                                self.clock() + bound, bound,
+                                {r: s.worker_id for r, s in slots.items()})
+
+    def check_rejoined(self, members: Mapping[str, MemberRecord],
+                       finished: set[int]) -> None:
+        """Called every poll: past the pending recovery's bound, a generation some rank
+        never joined fails the job (``GroupNotReformed``, event ``recovery_stalled``) rather
+        than leaving its ranks waiting minutes for a plan that will not come. A rank of the
+        plan that has returned from its entrypoint fails it at once."""
+        pending = self.pending
+        if pending is None:
+            return
+        gone = finished & set(pending.workers)
+        if not gone and self.clock() < pending.rejoin_by:
+            return
+        behind = laggards(pending.generation, pending.workers, members, gone)
+        if gone:        # the others wait for the finished ranks: name only those
+            behind = [lag for lag in behind if lag.rank in gone]
+        if not gone and not behind:
+            return          # joined; the first step (however long) is the stall detector's
+        bound = pending.rejoin_s
+        self.events.emit("recovery_stalled", generation=pending.generation, bound_s=bound,
+                         ranks={str(lag.rank): lag.why for lag in behind})
+        self.phases.transition(Phase.FAILED, f"generation {pending.generation} not re-formed")
+        raise not_reformed(pending.generation, bound, self.cfg.recovery.group_timeout_s, behind)
 
     def _reached(self, slots: Mapping[int, RankSlot]) -> list[int]:
         """The steps the ranks had completed when the fault struck (their member records):
@@ -298,12 +351,27 @@ class RecoveryCoordinator:
         return ReplicaMap.of(holdings)
 
     def _tiers(self) -> TierInventory:
+        """Every tier's complete steps, listed in parallel within
+        ``tier_inventory_bound_s``: a tier that fails or does not answer in time (an S3
+        endpoint that accepts connections and never replies) offers no checkpoint, and
+        says so in a ``tier_unreachable`` event. A listing past the bound is left to end on
+        its own thread (its client's own timeouts)."""
+        bound = tier_inventory_bound_s(self.cfg.recovery.group_timeout_s)
+        listings = [TierListing(tier).start()
+                    for tier, _, _ in build_tiers(self.cfg, self.run_dir)]
+        deadline = self.clock() + bound
         steps: dict[str, tuple[Step, ...]] = {}
-        for tier, _, _ in build_tiers(self.cfg, self.run_dir):
-            try:
-                steps[tier.name] = tuple(Step(s) for s in tier.committed_steps())
-            except Exception as exc:  # an unreachable tier offers no checkpoint
-                self.events.emit("tier_unreachable", tier=tier.name, error=repr(exc))
+        for listing in listings:
+            listing.thread.join(max(0.0, deadline - self.clock()))
+            name = listing.tier.name
+            if listing.thread.is_alive():
+                self.events.emit("tier_unreachable", tier=name, timeout_s=bound,
+                                 error=f"no answer listing its checkpoints within {bound:g} s "
+                                       "(min(10, recovery.group_timeout_s)); planned without it")
+            elif listing.error is not None:  # an unreachable tier offers no checkpoint
+                self.events.emit("tier_unreachable", tier=name, error=repr(listing.error))
+            else:
+                steps[name] = tuple(Step(s) for s in listing.steps)
         return TierInventory(steps)
 
     def _spares(self) -> SpareInventory:
@@ -319,19 +387,41 @@ class RecoveryCoordinator:
             self.pool.forget_node(index)
 
     # -- acting on the plan ------------------------------------------------------------
-    def _fence(self, plan: RecoveryPlan, reports: Mapping[str, KeeperReport],
-               slots: dict[int, RankSlot]) -> None:
-        """Publish plan/<g>, then move ``generation`` by compare-and-swap (the fence)."""
+    def _fence(self, plan: RecoveryPlan, deadline: float) -> None:
+        """Publish plan/<g> and move ``generation`` to g in one etcd transaction, fenced on
+        the generation's revision as this coordinator read it: a stalled ex-leader can
+        overwrite neither. etcd unreachable: tried again until ``deadline``
+        (``RecoveryStalled`` after). Raises ``FenceLost`` when another coordinator moved
+        the generation: this one stops like after a lost lease."""
         worker_plan = self.worker_plan(plan)
-        self.membership.put(plan_key(plan.generation), worker_plan.to_json())
-        current = self.membership.get(GENERATION_KEY)
-        expected = current.mod_revision if current is not None else 0
-        if current is not None and int(current.value) != self.generation:
-            raise PlanInfeasible(f"generation moved to {int(current.value)} under us: "
-                                 "another coordinator is active")
-        if not self.membership.compare_and_swap(GENERATION_KEY, expected,
-                                                str(plan.generation).encode()):
-            raise PlanInfeasible("lost the generation compare-and-swap: another coordinator")
+        encoded = worker_plan.to_json()
+        key = plan_key(plan.generation)
+
+        def attempt() -> int | None:
+            """None once fenced; else the generation found (another coordinator's)."""
+            current = self.membership.get(GENERATION_KEY)
+            found = int(current.value) if current is not None else 0
+            if found == plan.generation:   # our own write whose answer was lost?
+                published = self.membership.get(key)
+                if published is not None and published.value == encoded:
+                    return None
+            if found != self.generation:
+                return found
+            expected = current.mod_revision if current is not None else 0
+            if self.membership.put_if(GENERATION_KEY, expected, {
+                    key: encoded, GENERATION_KEY: str(plan.generation).encode()}):
+                return None
+            return -1       # moved between our read and the transaction
+
+        moved = self._retry(attempt, f"fencing generation {plan.generation}", deadline)
+        if moved is not None:
+            self.events.emit("fence_lost", generation=plan.generation,
+                             found=moved if moved >= 0 else None)
+            raise FenceLost(
+                f"generation {plan.generation} could not be fenced: etcd's generation is "
+                f"{moved if moved >= 0 else 'newer'}, not {self.generation}, so another "
+                "coordinator leads this job; this launcher stops and leaves the job's "
+                "processes to it")
         self.generation = plan.generation
         self._current_plan = worker_plan
 
@@ -382,9 +472,11 @@ class RecoveryCoordinator:
                 ray.kill(slots[rank].actor, no_restart=True)
         replaced = sum(isinstance(a, (PromoteSpare, RestartWorker)) for a in plan.actions)
         # a rank that joins survivors skips its script's set-up collectives (they are past
-        # them: phalanx.runtime.group.default_group); a whole new world runs them
-        restore = {"step": plan.restore_step,
-                   "joins_survivors": replaced < self.cfg.job.world_size}
+        # them: phalanx.runtime.group.default_group); a whole new world runs them. Nothing
+        # committed (restore step -1): every rank starts its entrypoint afresh, as at launch
+        restore: dict[str, Any] | None = {
+            "step": plan.restore_step, "joins_survivors": replaced < self.cfg.job.world_size,
+        } if plan.restore_step >= 0 else None
         worker_plan = self._current_plan
         for action in plan.actions:
             match action:
@@ -401,8 +493,13 @@ class RecoveryCoordinator:
                     continue
                 case _:
                     assert_never(action)
+            old = slots.get(rank)
+            if old is not None and old.actor is not None and old.worker_id != slot.worker_id:
+                with contextlib.suppress(Exception):   # (a survivor starting over)
+                    ray.kill(old.actor, no_restart=True)
             sources = [source_to_json(s) for s in worker_plan.ranks[rank].sources]
-            slot.ref = self.launch(slot, plan.generation, {**restore, "sources": sources})
+            slot.ref = self.launch(slot, plan.generation, None if restore is None
+                                   else {**restore, "sources": sources})
             slots[rank] = slot
             self.events.emit("promoted", rank=rank, worker=slot.worker_id,
                              node=node_name(slot.node), generation=plan.generation)

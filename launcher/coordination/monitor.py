@@ -19,9 +19,13 @@ from phalanx.launcher.coordination.replica_check import ReplicaCheck
 from phalanx.recovery.detection import (ActorDied, CollectiveError, LeaseLost, NodeLost, Progress,
                                         Signal, WorkerRaised)
 from phalanx.runtime.base import MemberRecord, Rank, Step, WorkerId
+from phalanx.runtime.keeper.memory_plan import MemoryPlanExceeded
 
 log = logging.getLogger(__name__)
 FINISH_GRACE_S = 0.5
+# What a worker raised that a replacement would raise too (its node's shared memory cannot
+# hold the job's snapshots): the job fails at once, naming it.
+NOT_RECOVERABLE = (f"{MemoryPlanExceeded.__name__}:",)
 
 
 @dataclass
@@ -103,7 +107,8 @@ class Monitor:
         the same way): then the job fails with the worker's own traceback."""
         record = members.get(slot.worker_id)
         key = (slot.rank, record.step if record is not None else -1)
-        if self._on_exception == "fail" or key in self._raised_at or record is None:
+        if self._on_exception == "fail" or key in self._raised_at or record is None \
+                or error.message.startswith(NOT_RECOVERABLE):
             raise error
         self._raised_at.add(key)
         return WorkerRaised(Rank(slot.rank), f"{error.message}\n{error.traceback_text}", now)

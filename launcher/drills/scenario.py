@@ -164,9 +164,9 @@ def _trigger(raw: Any, key: str, source: str) -> dict[str, Any]:
                           f"at_time_s, probability; {example}", source)
     value = raw[chosen[0]]
     if chosen[0] == "at_step":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{key}.at_step", f"{value!r} is not a step >= 1",
-                              "e.g. trigger: {at_step: 20}", source)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{key}.at_step", f"{value!r} is not a step >= 0 (0: before "
+                              "the first step completes)", "e.g. trigger: {at_step: 20}", source)
         return {"at_step": value}
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key}.{chosen[0]}", f"{value!r} is not a number", example, source)

@@ -28,6 +28,12 @@ class LeadershipLost(PhalanxError):
     stops without touching the job's workers, keepers or spares."""
 
 
+class FenceLost(LeadershipLost):
+    """The generation moved under this coordinator (its fencing transaction found another
+    coordinator's generation): another launcher leads the job now, so this one stops like
+    after a lost lease, leaving the job's workers, keepers and spares to it."""
+
+
 class StandbyError(PhalanxError):
     """A standby launcher cannot take over the job (no state published, config mismatch)."""
 

@@ -1,6 +1,9 @@
 """The training collective across generations: all-reduce as async work that is abandoned
-(never destroyed: with gloo that blocks until the group timeout) as soon as a peer fails or
-a newer generation is announced, and re-formed on a fresh ``PrefixStore`` per generation."""
+(never destroyed on the training thread: with gloo that blocks until the group timeout) as
+soon as a peer fails or a newer generation is announced, and re-formed on a fresh
+``PrefixStore`` per generation. Once the next group formed, the abandoned ones are aborted
+and dropped on a reaper thread, so their sockets are given back (at once after a peer
+died; at the group timeout when a parked call still waits on a hung peer)."""
 from __future__ import annotations
 
 import logging
@@ -92,7 +95,7 @@ class Collective:
             except Exception as exc:  # the thread's boundary: becomes CollectiveAborted
                 built["error"] = exc
             if "group" in built and built.get("abandoned"):
-                self._parked.append(built["group"])   # formed too late: never destroyed
+                self._parked.append(built["group"])   # formed too late: reaped later
 
         if self._forming is not None and self._forming.is_alive():
             self._store = self._connect()
@@ -114,6 +117,20 @@ class Collective:
         self._group = built["group"]
         self.generation = generation
         self.fault = None
+        self._release_parked()
+
+    def _release_parked(self) -> None:
+        """Hand the parked groups to a reaper thread that aborts and drops them (their
+        sockets close). It may block until a parked call's timeout; nobody waits for it."""
+        parked, self._parked = self._parked, []
+        if parked:
+            threading.Thread(target=_reap, args=(parked, self.generation), daemon=True,
+                             name=f"phalanx-group-reaper-gen{self.generation}").start()
+
+    @property
+    def parked(self) -> int:
+        """Groups abandoned and not yet handed to a reaper."""
+        return len(self._parked)
 
     def use_store(self, connect: Callable[[], dist.Store]) -> None:
         """Form later generations on another TCPStore (a standby coordinator took over and
@@ -122,8 +139,8 @@ class Collective:
         self._store = connect()
 
     def abandon(self) -> None:
-        """Park the current group: its sockets stay open and any parked call fails later at
-        its timeout, which nobody waits for."""
+        """Park the current group: nothing on this thread waits for it (a parked call fails
+        later, which nobody reads); the next ``form`` hands it to a reaper thread."""
         if self._group is not None:
             self._parked.append(self._group)
             self._group = None
@@ -162,6 +179,28 @@ class Collective:
         except RuntimeError as exc:
             raise CollectiveAborted(f"all_reduce failed: {_whole(exc)}") from None
         return tensor
+
+
+def _reap(parked: list[dist.ProcessGroup], generation: int) -> None:
+    """The reaper thread: ``abort()`` each abandoned group (torch 2.13's gloo has it; it
+    fails the parked calls, whose results nobody reads any more), then drop it. Measured
+    on gloo, 2 ranks: a group whose peer is gone goes in milliseconds; one with a call
+    parked on a hung peer blocks here until its timeout, as ``shutdown()`` and a plain
+    drop do too."""
+    started = time.monotonic()
+    count = len(parked)
+    while parked:
+        group = parked.pop()
+        abort = getattr(group, "abort", None)
+        try:
+            if abort is not None:
+                abort()
+        except Exception as exc:  # the thread's boundary: a group that will not abort is dropped
+            log.info("event=parked_group_abort_failed generation=%d error=%s", generation,
+                     _whole(exc))
+        del group, abort
+    log.info("event=parked_groups_released count=%d before_generation=%d seconds=%.3f", count,
+             generation, time.monotonic() - started)
 
 
 def _whole(exc: BaseException) -> str:

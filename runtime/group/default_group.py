@@ -2,7 +2,8 @@
 (env://, gloo) gets a ``torch.distributed.ProcessGroup`` whose collectives run on the
 current generation's gloo group, so the objects that hold it (``dist.group.WORLD``, a
 DistributedDataParallel module, a sampler) keep working after a recovery re-formed the
-group in place; nobody rebuilds them.
+group in place; nobody rebuilds them. The generations' gloo groups left behind are aborted
+and dropped once the next one formed (``Collective``), so their sockets are given back.
 
 While a Session is attached, a collective that fails (a peer died) or is still waiting
 when a newer generation is announced (a peer hung) completes at once as a no-op and marks
@@ -90,7 +91,7 @@ class DefaultGroup(dist.ProcessGroup):
         self._collective = collective
         self._skip_setup = skip_setup       # a joining rank, until its Session started
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[Future, Any]] = {}
+        self._pending: dict[int, tuple[Future, Any, int]] = {}   # future, no-op, generation
         self._tokens = itertools.count()
         self._monitor: threading.Thread | None = None
 
@@ -136,7 +137,7 @@ class DefaultGroup(dist.ProcessGroup):
         future: Future = Future()
         token = next(self._tokens)
         with self._lock:
-            self._pending[token] = (future, noop)
+            self._pending[token] = (future, noop, collective.generation)
         work.get_future().then(functools.partial(self._settle, token, name))
         if collective.absorb_faults:
             self._watch()
@@ -152,11 +153,14 @@ class DefaultGroup(dist.ProcessGroup):
             entry = self._pending.pop(token, None)
         if entry is None:          # already completed by an abort
             return
-        future, noop = entry
+        future, noop, generation = entry
         try:
             value = inner.value()
         except Exception as exc:  # the gloo thread's boundary: a peer failed
-            self._collective.mark_fault(f"{name} failed: {exc}")
+            # an abandoned generation's call failing late (its group reaped) is no fault
+            # of the current one
+            if generation == self._collective.generation:
+                self._collective.mark_fault(f"{name} failed: {exc}")
             if self._collective.absorb_faults:
                 future.set_result(noop)
             else:
@@ -183,7 +187,7 @@ class DefaultGroup(dist.ProcessGroup):
                     self._monitor = None
                     return
                 superseded = collective.superseded()
-                aborted = list(self._pending.values()) if superseded else []
+                aborted = [(f, n) for f, n, _ in self._pending.values()] if superseded else []
                 if superseded:
                     self._pending.clear()
             if superseded:

@@ -8,9 +8,11 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from phalanx.configs.errors import ConfigError, PeerUnreachable, SnapshotNotFound, StaleGeneration
+from phalanx.runtime.keeper.memory_plan import (MemoryPlan, MemoryPlanExceeded, fix_hint,
+                                                job_bytes_held, plan_shortfall)
 from phalanx.runtime.keeper.wire import (KeeperClient, KeeperRequestInvalid, OpHandler, SlotBusy,
                                          handle)
 from phalanx.runtime.keeper.shm import (Held, RankSlots, ShmBuffer, check_capacity, memory_plan,
@@ -43,7 +45,9 @@ class Keeper:
                  generation_check: Callable[[int], bool] | None = None, *, port: int = 0,
                  replica_keep: int = 2, timeout_s: float = 10.0, claim_wait_s: float = 5.0,
                  max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 ops: Mapping[str, OpHandler] | None = None) -> None:
+                 ops: Mapping[str, OpHandler] | None = None, plan: MemoryPlan | None = None,
+                 allow_unprotected: bool = False,
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.node = validate_name(node, "keeper.node")
         self.job = validate_name(job, "job.name", allow_dash=True)
         if slots < 2 or replica_keep < 1:
@@ -51,6 +55,8 @@ class Keeper:
         self.shm_dir, self.slots, self.replica_keep = shm_dir, slots, replica_keep
         self.prefix = shm_prefix(job, node)
         self._generation_check = generation_check
+        self._plan, self._allow_unprotected = plan, allow_unprotected
+        self._on_event = on_event
         self._claim_wait_s = claim_wait_s
         self._cond = threading.Condition()
         self._alloc_lock = threading.Lock()
@@ -61,6 +67,9 @@ class Keeper:
         self._closed = False
         self._push_s: dict[tuple[int, str], float] = {}     # (rank, holder) -> last push
         self._committed = -1              # the job's committed step, as last read from etcd
+        # ranks whose slots (own) or replicas this keeper no longer needs since a new
+        # placement, -> the committed step then: released once a newer step commits
+        self._departed: dict[tuple[str, int], int] = {}
         self._publish_listeners: list[Callable[[], None]] = []
         self._ops = dict(ops or {})       # served through the op port (e.g. replication's)
         self._write_ops = _WRITE_OPS | set(self._ops)   # every registered op is fenced
@@ -111,16 +120,20 @@ class Keeper:
     def alloc(self, rank: int, nbytes: int) -> list[str]:
         """Paths of ``slots`` files of ``nbytes`` each for ``rank`` (idempotent per size).
 
-        A new size makes a new layout version; the old layout's newest ready step is
-        served until a new slot is published. Raises ConfigError(snapshot.shm_dir) before
+        A new size (or a layout with a file gone) makes a new layout version; the old
+        layout's newest ready step is served until a new slot is published. Raises ConfigError(snapshot.shm_dir) before
         creating any file when shm_dir or MemAvailable cannot hold the ``slots`` files.
         """
         if nbytes <= 0:
             raise KeeperRequestInvalid(f"alloc size must be positive, got {nbytes}")
         with self._alloc_lock:
             with self._cond:
+                self._departed.pop(("local", rank), None)   # the rank is (back) on this node
                 table = self._local.get(rank)
-                if table is not None and table.slot_nbytes == nbytes:
+                # a layout whose file someone unlinked (a clean-up of a predecessor's
+                # files racing with this alloc) is replaced, never handed out
+                if table is not None and table.slot_nbytes == nbytes \
+                        and all(os.path.exists(h.buf.path) for h in table.slots):
                     return [h.buf.path for h in table.slots]
                 version = table.version + 1 if table else 0
             self._check_room(rank, nbytes)
@@ -129,9 +142,12 @@ class Keeper:
                 for i in range(self.slots):
                     path = os.path.join(self.shm_dir, f"{self.prefix}r{rank}-v{version}-s{i}")
                     bufs.append(ShmBuffer.create(path, nbytes))
-            except BaseException:
+            except BaseException as exc:
                 for buf in bufs:
                     buf.close()
+                if isinstance(exc, ConfigError) and self._plan is not None \
+                        and not self._allow_unprotected:     # the tmpfs filled up meanwhile
+                    raise MemoryPlanExceeded(exc.key, exc.problem, fix_hint(self.shm_dir)) from None
                 raise
             with self._cond:
                 self._refuse_if_closed(bufs)
@@ -148,10 +164,15 @@ class Keeper:
         """Raise ConfigError before any file exists when ``shm_dir`` or RAM (tmpfs pages
         cannot be reclaimed) lacks room for ``rank``'s ``slots`` files of ``nbytes``.
 
-        Only this rank's slots are counted: the keeper does not know the replication
-        factor, so replicas it will hold later are checked by the launcher alone (when
-        ``snapshot.rank_size_mb`` is set). Called by ``alloc`` under ``_alloc_lock``.
+        With a ``plan`` (the job's, from its config), the measured ``nbytes`` is first
+        checked against the whole plan (every rank's slots and replicas on every node
+        sharing ``shm_dir``): short of it, ``MemoryPlanExceeded`` is raised, or with
+        ``allow_unprotected`` a ``snapshot_unprotected`` event is sent and the slots are
+        made if they fit. Without a plan only this rank's slots are counted. Called by
+        ``alloc`` under ``_alloc_lock``.
         """
+        if self._plan is not None:
+            self._check_plan(self._plan, rank, nbytes)
         need = memory_plan(nbytes, 1, self.slots, 0, 0)
         try:
             check_capacity(
@@ -162,10 +183,30 @@ class Keeper:
                      f"snapshot a smaller state, use fewer `snapshot.slots` (now "
                      f"{self.slots}), or set `snapshot.rank_size_mb` so the launcher refuses "
                      "before start")
-        except ConfigError:
+        except ConfigError as exc:
             log.warning("keeper.alloc_refused node=%s rank=%d nbytes=%d slots=%d need=%d",
                         self.node, rank, nbytes, self.slots, need)
+            if self._plan is not None and not self._allow_unprotected:
+                raise MemoryPlanExceeded(exc.key, exc.problem, fix_hint(self.shm_dir)) from None
             raise
+
+    def _check_plan(self, plan: MemoryPlan, rank: int, nbytes: int) -> None:
+        """The job's whole memory plan at ``rank``'s measured snapshot size (see
+        ``_check_room``)."""
+        short = plan_shortfall(plan, nbytes, self.shm_dir, job_bytes_held(self.shm_dir, self.job))
+        if short is None:
+            return
+        measured = f"keeper {self.node}: rank {rank}'s first snapshot measured {nbytes} bytes"
+        log.warning("keeper.plan_exceeded node=%s rank=%d nbytes=%d allowed=%s reason=%s",
+                    self.node, rank, nbytes, self._allow_unprotected, short)
+        if not self._allow_unprotected:
+            raise MemoryPlanExceeded("snapshot.shm_dir", f"{measured}; {short}",
+                                     fix_hint(self.shm_dir))
+        if self._on_event is not None:
+            self._on_event({"event": "snapshot_unprotected", "rank": rank, "rank_bytes": nbytes,
+                            "plan_bytes": plan.tmpfs_bytes(nbytes), "shm_dir": self.shm_dir,
+                            "reason": f"{measured}; {short}; training on with degraded "
+                                      "protection (snapshot.allow_unprotected)"})
 
     def _retire_layout(self, table: RankSlots) -> list[Held]:
         ready = [h for h in table.slots + table.retired if h.state == "ready"]
@@ -325,10 +366,7 @@ class Keeper:
             buf.close()
             return
         self._free.append(buf)
-        limit = max(1, len(self._replicas))
-        for old in self._free[:-limit]:
-            old.close()
-        del self._free[:-limit]
+        self._trim_free()
 
     # ----- reading, retention, accounting ------------------------------------------------
 
@@ -452,9 +490,66 @@ class Keeper:
             return sum(s for (r, _), s in self._push_s.items() if r == rank)
 
     def note_committed(self, step: int) -> None:
-        """The job's committed step (read from etcd by the reporter); it only moves on."""
+        """The job's committed step (read from etcd by the reporter); it only moves on.
+        Releases what ``retarget`` marked once a step newer than the mark commits."""
         with self._cond:
             self._committed = max(self._committed, step)
+        self._release_departed()
+
+    def retarget(self, local_ranks: Iterable[int], replica_ranks: Iterable[int]) -> None:
+        """A new generation's placement (the launcher's thread, through the keeper actor):
+        ``local_ranks`` now live on this node, ``replica_ranks`` are the ranks it holds
+        replicas of. The slots of a rank that left and the replicas of a rank it no longer
+        holds are marked, and released (files unlinked, maps closed once unread) once the
+        job's committed step is newer than this call's and than every step held of them
+        here: the rank's new owners then hold a newer committed step, and no restore goes
+        back past it."""
+        local, replicas = set(local_ranks), set(replica_ranks)
+        with self._cond:
+            for kind, held, wanted in (("local", self._local, local),
+                                       ("replica", self._replicas, replicas)):
+                for rank in held:
+                    if rank in wanted:
+                        self._departed.pop((kind, rank), None)
+                    else:
+                        self._departed.setdefault((kind, rank), self._committed)
+            marked = sorted(self._departed)
+        log.info("keeper.retargeted node=%s local=%s replicas=%s departed=%s", self.node,
+                 sorted(local), sorted(replicas), marked)
+        self._release_departed()
+
+    def _release_departed(self) -> None:
+        """Unlink the slots and replicas ``retarget`` marked, once a newer step committed
+        (see ``retarget``)."""
+        with self._cond:
+            freed: list[tuple[str, int, int]] = []
+            for kind, rank in list(self._departed):
+                if kind == "local":
+                    table = self._local.get(rank)
+                    held = table.slots + table.retired if table is not None else []
+                else:
+                    held = self._replicas.get(rank, [])
+                newest = max((h.step for h in held if h.state == "ready"), default=-1)
+                if self._committed <= max(newest, self._departed[kind, rank]):
+                    continue    # a restore may still need what is held here
+                del self._departed[kind, rank]
+                (self._local if kind == "local" else self._replicas).pop(rank, None)
+                for h in held:
+                    self._doom(h)
+                freed.append((kind, rank, len(held)))
+            if freed:
+                self._trim_free()
+                self._cond.notify_all()
+        for kind, rank, files in freed:
+            log.info("keeper.released node=%s kind=%s rank=%d files=%d committed=%d", self.node,
+                     kind, rank, files, self._committed)
+
+    def _trim_free(self) -> None:
+        """Called with the lock held: keep at most one recycled buffer per replicated rank."""
+        limit = max(1, len(self._replicas))
+        for old in self._free[:-limit]:
+            old.close()
+        del self._free[:-limit]
 
     def committed_step(self) -> int:
         """The newest committed step this keeper has heard of; -1 before the first."""

@@ -133,6 +133,29 @@ class RankSlots:
     retired: list[Held] = field(default_factory=list)
 
 
+def map_slots(alloc: Callable[[], list[str]], nbytes: int,
+              open_map: Callable[[str, int], mmap.mmap],
+              close_map: Callable[[mmap.mmap], None]) -> dict[str, mmap.mmap]:
+    """A worker's maps of the slot files ``alloc()`` names (``open_map(path, nbytes)``
+    each). A file unlinked between the keeper's answer and the map (a clean-up of a dead
+    predecessor's files racing with the alloc) makes the maps made so far close and
+    ``alloc()`` run once more: the keeper then replaces the layout. A second miss raises
+    ``FileNotFoundError``."""
+    for attempt in (1, 2):
+        maps: dict[str, mmap.mmap] = {}
+        try:
+            for path in alloc():
+                maps[path] = open_map(path, nbytes)
+            return maps
+        except FileNotFoundError as exc:
+            for mapping in maps.values():
+                close_map(mapping)
+            if attempt == 2:
+                raise
+            log.warning("shm.slot_file_gone path=%s action=alloc_again", exc.filename)
+    raise AssertionError("unreachable")
+
+
 def pick_slot(table: RankSlots, protect_step: int | None, *,
               preempt: bool = False) -> int | None:
     """The slot to overwrite: never the newest ready one, a pinned one or ``protect_step``;
@@ -231,18 +254,24 @@ def check_capacity(required_bytes: int, shm_dir: str, *, what: str = "snapshots"
     if not os.path.isdir(shm_dir):
         raise ConfigError("snapshot.shm_dir", f"{shm_dir} is not a directory",
                           "point snapshot.shm_dir at a tmpfs such as /dev/shm")
+    limits = capacity_shortfall(required_bytes, shm_dir)
+    if limits is not None:
+        raise ConfigError(
+            "snapshot.shm_dir",
+            f"{what} need {required_bytes} bytes ({_gib(required_bytes)}) but {limits}", hint)
+
+
+def capacity_shortfall(more_bytes: int, shm_dir: str) -> str | None:
+    """The limits (tmpfs free space, MemAvailable) that ``more_bytes`` more in ``shm_dir``
+    would exceed, as one phrase with their numbers; None when both hold them."""
     free = _free_bytes(shm_dir)
     available = mem_available()
     limits = [f"{shm_dir} has {free} bytes free ({_gib(free)})"]
-    short = required_bytes > free
+    short = more_bytes > free
     if available is not None:
         limits.append(f"MemAvailable is {available} bytes ({_gib(available)})")
-        short = short or required_bytes > available
-    if short:
-        raise ConfigError(
-            "snapshot.shm_dir",
-            f"{what} need {required_bytes} bytes ({_gib(required_bytes)}) but "
-            + " and ".join(limits), hint)
+        short = short or more_bytes > available
+    return " and ".join(limits) if short else None
 
 
 def _free_bytes(path: str) -> int:

@@ -9,7 +9,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Iterator, TypedDict
+from typing import Any, Callable, Iterator, Mapping, TypedDict
 
 import etcd3
 import etcd3.events
@@ -404,6 +404,24 @@ class EtcdMembership:
         with self._translate("compare_and_swap", key):
             succeeded, _ = client.transaction(compare=[compare], success=[tx.put(full, value)],
                                               failure=[])
+        return bool(succeeded)
+
+    def put_if(self, key: str, expected_revision: int, writes: Mapping[str, bytes]) -> bool:
+        """One transaction: every key of ``writes`` is written only if ``key``'s
+        mod_revision is ``expected_revision`` (create_revision == 0 for "absent"); all or
+        none. Raises ``MembershipUnavailable`` (the writes may or may not have happened:
+        read back to tell)."""
+        if not writes:
+            raise ValueError(f"put_if on {key!r} needs at least one key to write")
+        client = self._conn()
+        full = self._prefix + key
+        tx = client.transactions
+        compare = (tx.create(full) == 0) if expected_revision == 0 else \
+            (tx.mod(full) == expected_revision)
+        with self._translate("put_if", key):
+            succeeded, _ = client.transaction(
+                compare=[compare], success=[tx.put(self._prefix + k, v) for k, v in writes.items()],
+                failure=[])
         return bool(succeeded)
 
     # -- watches and lifecycle ------------------------------------------------------------

@@ -7,6 +7,10 @@ forward and backward run; whatever would modify a captured tensor in place (the 
 step) first waits for that copy (``wait_for_copy``). The manifest and the publish to the
 keeper follow on the background thread, which the next capture waits for (double
 buffering: one slot being filled while another holds the newest complete step).
+
+A snapshot is published only if no captured tensor was written in place before its copy
+was over (``phalanx.runtime.snapshot.copy_check``): one that was is dropped
+(``event=snapshot_torn``) and every later capture copies before the loop goes on.
 """
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
+from phalanx.runtime.keeper.shm import map_slots
 from phalanx.runtime.keeper.wire import KeeperClient, SlotBusy
+from phalanx.runtime.snapshot.copy_check import CopyCheck
 from phalanx.runtime.snapshot.checksum import DEFAULT_ALGO, DigestJob, check_algo, finish, helpers
 from phalanx.runtime.snapshot.format import (SnapshotLayout, landing_job, make_manifest,
                                              plan_layout, start_write, write_into, write_job)
@@ -101,6 +107,7 @@ class _Work(NamedTuple):
     tensors: Mapping[str, torch.Tensor]
     claimed: tuple[int, memoryview] | None     # CUDA: claimed on the training thread
     marks: _CopyMarks | None
+    check: CopyCheck
 
 
 @dataclass
@@ -114,6 +121,8 @@ class SnapshotStats:
     last_background_s: float = 0.0
     interval: int = 1
     bytes: int = 0
+    torn: int = 0                  # captures dropped: a tensor was written during the copy
+    synchronous: bool = False      # captures copy before the loop goes on (after a tear)
 
 
 class _IntervalController:
@@ -213,6 +222,7 @@ class Snapshotter:
         self._agreed: int | None = None    # the job-wide auto interval, set by the Session
         self._copied = threading.Event()
         self._copied.set()
+        self._check: CopyCheck | None = None     # the last capture's, until judged
         self._lock = threading.Lock()
         self.stats = SnapshotStats()
         # cross-replica verification (phalanx.runtime.consistency.verify): the step the keeper must not
@@ -242,6 +252,7 @@ class Snapshotter:
         self._maps, self._layout = {}, None
 
     def _settle(self) -> None:
+        self._judge()
         pending, self._pending = self._pending, None
         if pending is not None:
             try:
@@ -297,6 +308,7 @@ class Snapshotter:
         started = time.perf_counter()
         self.flush()
         tensors, spec = flatten_state(objects)
+        check = CopyCheck(tensors)
         fresh = self._layout is None or not self._layout.matches(tensors)
         layout = self._layout_for(tensors)
         if any(t.is_cuda for t in tensors.values()):
@@ -314,12 +326,17 @@ class Snapshotter:
             job = write_job(layout, tensors, algo=self._algo)
             claimed, marks = None, None
         # the helper threads wake while the publishing thread claims the slot (CPU)
-        work = _Work(job, helpers(job, self._helpers, self._workers), tensors, claimed, marks)
+        work = _Work(job, helpers(job, self._helpers, self._workers), tensors, claimed, marks,
+                     check)
+        self._check = check
         stall = time.perf_counter() - started
         # a capture that allocated the slots (page faults, file creation) says nothing about
         # the steady cost the auto interval is for
         self._pending = self._pool.submit(self._publish, step, layout, spec, work,
                                           None if fresh else stall)
+        if self.stats.synchronous:      # a capture tore before: copy before going on
+            self.wait_for_copy()
+            stall = time.perf_counter() - started
         self._control.observe_capture(None if fresh else stall)
         self._last_capture_step = self.stats.last_capture_step = step
         self.stats.last_stall_s = stall
@@ -335,17 +352,37 @@ class Snapshotter:
             self._copied.wait()
         if self._cuda_event is not None:
             torch.cuda.current_stream().wait_event(self._cuda_event)
+        self._judge()
+
+    def judge_if_copied(self) -> None:
+        """At a step boundary (training thread): if the last capture's copy is over, judge
+        it now, so that a loop with no fence publishes without waiting for the next one."""
+        check = self._check
+        if check is None:
+            return
+        event = self._cuda_event
+        if (event.query() if event is not None else self._copied.is_set()):
+            self._judge()
+
+    def _judge(self) -> None:
+        """Training thread, where no op it started before the copy ended is still running
+        (it waited for the copy, or is about to block until the publish is over)."""
+        check, self._check = self._check, None
+        if check is not None:
+            check.judge()
 
     def wait_published(self) -> None:
         """Block until the last capture is published or has failed (its error is kept for
         ``flush``): the keeper then holds every snapshot this rank will give it until the
         next capture (a drill gate, ``phalanx.runtime.worker.drill_hooks``)."""
+        self._judge()
         pending = self._pending
         if pending is not None:
             futures_wait([pending])
 
     def flush(self) -> None:
         """Wait until the last capture is published; re-raises its error."""
+        self._judge()
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
@@ -366,10 +403,11 @@ class Snapshotter:
         if self._layout is not None and self._layout.matches(tensors):
             return self._layout
         layout = plan_layout(tensors)
-        paths = self._client.alloc(self._rank, layout.total_bytes)
+        maps = map_slots(lambda: self._client.alloc(self._rank, layout.total_bytes),
+                         layout.total_bytes, _map, _close_map)   # (a file gone: alloc again)
         for mapping in self._maps.values():
             _close_map(mapping)
-        self._maps = {path: _map(path, layout.total_bytes) for path in paths}
+        self._maps, paths = maps, list(maps)
         if any(t.is_cuda for t in tensors.values()):
             for mapping in self._maps.values():
                 _pin(mapping, layout.total_bytes)
@@ -412,6 +450,8 @@ class Snapshotter:
             sums = finish(work.job, work.helpers)
             assert work.marks is not None
             work.marks.wait_all()
+        if self._torn(step, work.check):
+            return
         manifest = make_manifest(layout, sums, job=self._job, rank=self._rank, step=step,
                                  generation=self._generation, tree_spec=spec,
                                  created_at=time.time())
@@ -429,6 +469,26 @@ class Snapshotter:
             self.stats.last_background_s = background
             if self._agreed is None:
                 self.stats.interval = self._control.interval
+
+    def _torn(self, step: int, check: CopyCheck) -> bool:
+        """Publishing thread: whether the capture of ``step`` saw a write during its copy;
+        such a snapshot is dropped (never published as ``step``: the keeper keeps the older
+        one) and later captures copy before the training loop goes on."""
+        changed = check.wait()
+        if not changed:
+            return False
+        with self._lock:
+            self.stats.torn += 1
+            first = not self.stats.synchronous
+            self.stats.synchronous = True
+        log.warning("event=snapshot_torn rank=%d step=%d tensors=%s written=%d action=dropped "
+                    "fix='write registered tensors only inside step() after optimizer.step() "
+                    "(or register the optimizer doing it); see docs/porting.md'", self._rank,
+                    step, ",".join(changed[:5]), len(changed))
+        if first:
+            log.warning("event=snapshot_synchronous rank=%d step=%d reason=torn", self._rank,
+                        step)
+        return True
 
     def _stream(self) -> Any:
         if self._cuda_stream is None:

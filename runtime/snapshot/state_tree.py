@@ -31,6 +31,8 @@ _INT_LIKE = re.compile(r"-?[0-9]+")
 #   {"t":"list"|"tuple","items":[node,...]}     or "ints":[...] when every item is an int
 #   {"t":"size"|"dtype"|"device","v":...}       torch.Size / torch.dtype / torch.device
 #   {"t":"np","dtype":D,"v":node}               a numpy scalar (np.float32(1.5), ...)
+#   {"t":"np_rng","kind":K,"v":node}            a numpy Generator or RandomState (K): its
+#                                               bit generator's state dict (JSON + arrays)
 # Whole spec: {"version":1,"objects":{name:{"kind":"state_dict"|"generator"|"value",
 #                                           "tree":node}}}
 
@@ -130,8 +132,11 @@ class _Flattener:
             return self.tensor(torch.from_numpy(np.ascontiguousarray(value)), path, "ndarray")
         if isinstance(value, np.generic) and value.dtype.kind in "biuf":
             return {"t": "np", "dtype": value.dtype.name, "v": self.encode(value.item(), path)}
+        if kind in (np.random.Generator, np.random.RandomState):
+            return {"t": "np_rng", "kind": kind.__name__,
+                    "v": self.encode(_np_rng_state(value), path)}
         raise TypeError(f"cannot snapshot value of type {kind.__module__}.{kind.__qualname__} "
-                        f"at '{path or '<root>'}': use tensors, numpy arrays, JSON values, "
+                        f"at '{path or '<root>'}': use tensors, numpy arrays or Generators, JSON values, "
                         "dicts, lists or tuples of those, or an object with state_dict()")
 
     def _dict(self, value: Mapping, path: str) -> dict:
@@ -234,6 +239,8 @@ class _Builder:
             if dtype.kind not in "biuf":
                 raise ValueError(f"unsupported numpy scalar dtype {dtype}")
             return dtype.type(self.decode(node["v"], path))
+        if tag == "np_rng":
+            return _np_rng(node["kind"], self.decode(node["v"], path))
         raise ValueError(f"unknown tag {tag!r}")
 
     def _dict(self, node: dict, path: str) -> dict:
@@ -263,6 +270,32 @@ class _Builder:
             else:
                 self.used[name] = t.clone()
         return self.used[name]
+
+
+# numpy's bit generators a snapshot may name (their state is plain ints and uint arrays)
+_BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
+
+
+def _np_rng_state(rng: np.random.Generator | np.random.RandomState) -> dict[str, Any]:
+    """The bit generator's state: a dict of str keys, ints, floats and uint arrays."""
+    if isinstance(rng, np.random.RandomState):
+        return dict(rng.get_state(legacy=False))
+    return dict(rng.bit_generator.state)
+
+
+def _np_rng(kind: Any, state: Any) -> np.random.Generator | np.random.RandomState:
+    """A numpy ``kind`` ("Generator" or "RandomState") in ``state``; ValueError if neither."""
+    name = state.get("bit_generator") if isinstance(state, dict) else None
+    if name not in _BIT_GENERATORS or kind not in ("Generator", "RandomState"):
+        raise ValueError(f"unsupported numpy RNG {kind!r} with bit generator {name!r}")
+    bit_generator = getattr(np.random, name)()
+    try:
+        bit_generator.state = state
+    except (OverflowError, IndexError, KeyError, TypeError) as exc:
+        raise ValueError(f"numpy {name} state does not fit: {exc}") from exc
+    if kind == "Generator":
+        return np.random.Generator(bit_generator)
+    return np.random.RandomState(bit_generator)
 
 
 def _check_list(value: Any) -> list:
@@ -370,7 +403,8 @@ def _live_tensors(name: str, obj: Any) -> dict[str, torch.Tensor]:
 def assign_in_place(old: Any, new: Any) -> Any:
     """``new``, written into ``old`` when it can be (same-type dict or list: refilled; tensor
     of the same shape and dtype: copied into) so references to ``old`` see the new content;
-    returns the object that now holds the value (``old`` or ``new``)."""
+    returns the object that now holds the value (``old`` or ``new``); a numpy Generator or
+    RandomState is set to the new one's state."""
     if type(old) is type(new) and isinstance(old, dict):
         old.clear()
         old.update(new)
@@ -382,5 +416,12 @@ def assign_in_place(old: Any, new: Any) -> Any:
             and old.shape == new.shape and old.dtype == new.dtype:
         with torch.no_grad():
             old.copy_(new)
+        return old
+    if type(old) is type(new) and type(old) in (np.random.Generator, np.random.RandomState) \
+            and _np_rng_state(old)["bit_generator"] == _np_rng_state(new)["bit_generator"]:
+        if isinstance(old, np.random.RandomState):   # the script's generator, rewound
+            old.set_state(_np_rng_state(new))
+        else:
+            old.bit_generator.state = new.bit_generator.state
         return old
     return new

@@ -10,6 +10,7 @@ from phalanx.configs.errors import ConfigError
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.runtime.base import Tier
 from phalanx.runtime.tiers.disk import DiskTier
+from phalanx.runtime.tiers.run_identity import run_id_of
 
 TIERS = ("disk", "s3")
 MIN_SECRET_BYTES = 16
@@ -29,26 +30,30 @@ def disk_tier_root(cfg: PhalanxConfig, run_dir: str | os.PathLike[str] | None) -
 
 
 def open_tier(cfg: PhalanxConfig, name: str = "disk", *,
-              run_dir: str | os.PathLike[str] | None = None, namespace: str = "") -> Tier:
+              run_dir: str | os.PathLike[str] | None = None, namespace: str = "",
+              run_id: str = "") -> Tier:
     """The tier ``name`` ("disk" or "s3") of ``cfg`` for job ``cfg.job.name``; a
     ``namespace`` keeps its steps apart, under ``<job>.<namespace>`` (a name no job can
-    have: its checkpoints and retention never meet those of the job itself)."""
+    have: its checkpoints and retention never meet those of the job itself). With a
+    ``run_id`` the tier sees, commits and deletes only that run's steps."""
     job = f"{cfg.job.name}.{namespace}" if namespace else cfg.job.name
     if name == "disk":
-        return DiskTier(disk_tier_root(cfg, run_dir), job)
+        return DiskTier(disk_tier_root(cfg, run_dir), job, run_id=run_id)
     if name == "s3":
         if not cfg.tiers.s3.bucket:
             raise ConfigError("tiers.s3.bucket", "is empty", "set the bucket the S3 tier uses")
         from phalanx.runtime.tiers.s3 import S3Tier  # boto3 only when an S3 tier is wanted
 
-        return S3Tier(cfg.tiers.s3, job)
+        return S3Tier(cfg.tiers.s3, job, run_id=run_id)
     raise ConfigError("tier", f"{name!r} is not a tier", f"use one of {list(TIERS)}")
 
 
 def tier_specs(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int, float]]:
-    """(tier, every_steps, keep, every_s) for each enabled tier: what TierPersister takes."""
+    """(tier, every_steps, keep, every_s) for each enabled tier: what TierPersister takes.
+    Each tier is bound to the run of ``run_dir`` (``run_identity.run_id_of``)."""
     disk, s3 = cfg.tiers.disk, cfg.tiers.s3
-    return [(open_tier(cfg, name, run_dir=run_dir), t.every_steps, t.keep, t.every_s)
+    run = run_id_of(run_dir)
+    return [(open_tier(cfg, name, run_dir=run_dir, run_id=run), t.every_steps, t.keep, t.every_s)
             for name, t in (("disk", disk), ("s3", s3)) if t.enabled]
 
 

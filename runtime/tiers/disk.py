@@ -1,7 +1,9 @@
 """The local-disk checkpoint tier, and the step layout every tier shares.
 
 Owns ``<root>/<job>/step_<n:012d>/`` folders: atomic per-file writes (temp, fsync,
-rename, fsync dir), the ``COMMIT`` marker written last, and retention.
+rename, fsync dir), the ``COMMIT`` marker written last, and retention. A tier bound to a
+run (``run_id``) sees, commits and deletes only that run's steps
+(``phalanx.runtime.tiers.run_identity``).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Iterable
 
 from phalanx.configs.errors import ConfigError, SnapshotNotFound, TierUnavailable
 from phalanx.runtime.base import iter_chunks
+from phalanx.runtime.tiers import run_identity as runs
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +57,12 @@ def validate_job(job: str) -> str:
     return job
 
 
-def commit_marker(step: int, ranks: list[int]) -> bytes:
-    """The JSON body of a step's ``COMMIT`` marker."""
-    return json.dumps({"step": step, "ranks": ranks, "written_at": time.time()},
-                      sort_keys=True).encode()
+def commit_marker(step: int, ranks: list[int], run: str = "") -> bytes:
+    """The JSON body of a step's ``COMMIT`` marker (``run``: the run that wrote it)."""
+    body: dict[str, object] = {"step": step, "ranks": ranks, "written_at": time.time()}
+    if run:
+        body["run"] = run
+    return json.dumps(body, sort_keys=True).encode()
 
 
 def normalize_ranks(ranks: Iterable[int]) -> list[int]:
@@ -153,14 +158,17 @@ class DiskTier:
     """Checkpoint tier on a local (or mounted) filesystem.
 
     Thread-safe for concurrent ``write_rank`` calls of distinct ranks. Every method raises
-    ``TierUnavailable`` (with the path and errno text) when the filesystem refuses.
+    ``TierUnavailable`` (with the path and errno text) when the filesystem refuses. With a
+    ``run_id`` the tier is that run's: ``committed_steps`` and retention see only its steps,
+    and ``commit_step``/``read_rank`` raise ``SnapshotOfOtherRun`` for another run's files.
     """
 
     name = "disk"
 
-    def __init__(self, root: Path, job: str, *, min_free_bytes: int = 0) -> None:
+    def __init__(self, root: Path, job: str, *, run_id: str = "", min_free_bytes: int = 0) -> None:
         self._root = Path(root)
         self._job = validate_job(job)
+        self.run_id = run_id
         self._min_free_bytes = min_free_bytes
 
     @property
@@ -170,8 +178,54 @@ class DiskTier:
     def step_dir(self, step: int) -> Path:
         return self.job_dir / step_dir_name(step)
 
+    # ----- small objects of a step folder (the run records, the marker) ---------------
+
+    def get_object(self, step: int, name: str) -> bytes | None:
+        try:
+            return (self.step_dir(step) / name).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise TierUnavailable(f"tier disk: reading {self.step_dir(step) / name} failed: "
+                                  f"{_errno_text(exc)}") from exc
+
+    def put_object(self, step: int, name: str, data: bytes) -> None:
+        try:
+            self._ensure_step_dir(self.step_dir(step))
+            atomic_write(self.step_dir(step) / name, memoryview(data))
+        except OSError as exc:
+            raise TierUnavailable(f"tier disk: writing {self.step_dir(step) / name} failed: "
+                                  f"{_errno_text(exc)}") from exc
+
+    def delete_object(self, step: int, name: str) -> None:
+        try:
+            (self.step_dir(step) / name).unlink(missing_ok=True)
+        except OSError as exc:
+            raise TierUnavailable(f"tier disk: deleting {self.step_dir(step) / name} failed: "
+                                  f"{_errno_text(exc)}") from exc
+
+    def step_names(self, step: int) -> list[str]:
+        try:
+            return sorted(os.listdir(self.step_dir(step)))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise TierUnavailable(f"tier disk: listing {self.step_dir(step)} failed: "
+                                  f"{_errno_text(exc)}") from exc
+
+    # ----- the Tier port ---------------------------------------------------------------
+
     def write_rank(self, step: int, rank: int, payload: memoryview | bytes, manifest: bytes) -> None:
-        """Store one rank's payload then manifest, each atomically. Raises TierUnavailable."""
+        """Store one rank's payload then manifest, each atomically (with a run: between
+        its run records). Raises TierUnavailable."""
+        if self.run_id:
+            runs.write_owned(self, step, rank, self.run_id,
+                             lambda: self._write_files(step, rank, payload, manifest))
+        else:
+            self._write_files(step, rank, payload, manifest)
+
+    def _write_files(self, step: int, rank: int, payload: memoryview | bytes,
+                     manifest: bytes) -> bytes:
         payload_name, manifest_name = rank_file_names(rank)
         step_dir = self.step_dir(step)
         view = as_byte_view(payload)
@@ -186,6 +240,7 @@ class DiskTier:
                                   f"failed: {_errno_text(exc)}") from exc
         log.debug("tier_write tier=disk step=%d rank=%d bytes=%d elapsed_s=%.3f",
                   step, rank, view.nbytes, time.monotonic() - started)
+        return bytes(manifest)
 
     def _ensure_step_dir(self, step_dir: Path) -> None:
         if step_dir.is_dir():
@@ -195,9 +250,9 @@ class DiskTier:
         _fsync_dir(step_dir.parent.parent)  # and the job folder's, when just created
 
     def commit_step(self, step: int, ranks: list[int]) -> None:
-        """Write ``COMMIT`` after checking every rank's two files exist.
-
-        Raises SnapshotNotFound naming the first missing rank, TierUnavailable on I/O errors."""
+        """Write ``COMMIT`` after checking every rank's two files exist (and, bound to a
+        run, are that run's). Raises SnapshotNotFound naming the first missing rank
+        (SnapshotOfOtherRun: another run's), TierUnavailable on I/O errors."""
         wanted = normalize_ranks(ranks)
         step_dir = self.step_dir(step)
         for rank in wanted:
@@ -205,8 +260,11 @@ class DiskTier:
                 if not (step_dir / name).is_file():
                     raise SnapshotNotFound(f"tier disk: cannot commit step {step}: rank {rank} "
                                            f"has no {name} in {step_dir}")
+        if self.run_id:
+            runs.check_owned(self, step, wanted, self.run_id, "commit")
         try:
-            atomic_write(step_dir / COMMIT_NAME, memoryview(commit_marker(step, wanted)))
+            atomic_write(step_dir / COMMIT_NAME,
+                         memoryview(commit_marker(step, wanted, self.run_id)))
         except OSError as exc:
             raise TierUnavailable(f"tier disk: committing step {step} in {step_dir} failed: "
                                   f"{_errno_text(exc)}") from exc
@@ -218,9 +276,12 @@ class DiskTier:
         return f"{self.step_dir(step) / payload_name} + {manifest_name}"
 
     def read_rank(self, step: int, rank: int) -> tuple[bytes, bytes]:
-        """(payload, manifest); raises SnapshotNotFound when either file is absent."""
+        """(payload, manifest); raises SnapshotNotFound when either file is absent
+        (SnapshotOfOtherRun: bound to a run, and the files are another run's)."""
         step_dir = self.step_dir(step)
         payload_name, manifest_name = rank_file_names(rank)
+        if self.run_id:
+            runs.check_owned(self, step, [rank], self.run_id, "restore")
         try:
             return (step_dir / payload_name).read_bytes(), (step_dir / manifest_name).read_bytes()
         except FileNotFoundError as exc:
@@ -251,7 +312,9 @@ class DiskTier:
         return sorted(steps), sorted(committed)
 
     def committed_steps(self) -> list[int]:
-        return self._scan()[1]
+        """Steps with a ``COMMIT`` marker (bound to a run: of that run), ascending."""
+        committed = self._scan()[1]
+        return runs.committed_of_run(self, committed, self.run_id) if self.run_id else committed
 
     def delete_step(self, step: int) -> None:
         """Remove the marker (then fsync) before the files; absent steps are no error."""
@@ -268,13 +331,41 @@ class DiskTier:
         log.info("tier_delete tier=disk step=%d", step)
 
     def apply_retention(self, keep: int) -> list[int]:
+        """Delete all but the newest ``keep`` committed steps and older partial ones;
+        bound to a run, only that run's (another run's steps are never deleted)."""
         steps, committed = self._scan()
+        if self.run_id:
+            steps, committed = runs.steps_of_run(self, steps, committed, self.run_id)
         victims = retention_victims(steps, committed, keep)
         for step in victims:
             self.delete_step(step)
         if victims:
             log.info("tier_retention tier=disk keep=%d deleted=%s", keep, victims)
         return victims
+
+    def clean_abandoned(self, ranks: list[int]) -> list[tuple[int, int]]:
+        """Remove the files of ``ranks`` whose write this run started and never finished
+        (a crash mid-write) in uncommitted steps, and a step folder left empty; returns
+        the (step, rank) pairs removed. Unbound: nothing."""
+        if not self.run_id:
+            return []
+        steps, committed = self._scan()
+        found = runs.abandoned_writes(self, steps, committed, ranks, self.run_id)
+        for step, rank in found:
+            step_dir = self.step_dir(step)
+            names = (*rank_file_names(rank), runs.record_name(rank))
+            try:
+                _remove_stale_temps(step_dir, names)
+                for name in names:
+                    (step_dir / name).unlink(missing_ok=True)
+                if not any(step_dir.iterdir()):
+                    step_dir.rmdir()
+            except OSError as exc:
+                raise TierUnavailable(f"tier disk: cleaning step {step} rank {rank} in "
+                                      f"{step_dir} failed: {_errno_text(exc)}") from exc
+        if found:
+            log.info("tier_cleaned tier=disk run=%s abandoned=%s", self.run_id, found)
+        return found
 
     def check(self) -> None:
         """Create the job folder, write and remove a probe file, check free space.

@@ -12,60 +12,43 @@ once every rank of the job is there, written by whichever node finishes last:
                               step_21/rank_{1,3}.*  ◀──   pin/write/unpin 1,3
                               COMMIT               ◀──    commit_step(21, all) succeeds
     retry commit_step    ──▶  COMMIT (rewritten, idempotent) → apply_retention(keep)
+
+With ``committed`` (a view of the job's commit point: every rank held by f+1 keepers
+and, with ``detection.compare_replicas``, digest-agreed) a step's marker waits until the
+commit point reaches it, so a tier never commits a step the job has not. The launched
+keepers do not pass it yet: the commit point reaches a keeper a heartbeat or more after
+the step (the tier_fallback drill's checkpoint would not be committed when its fault
+fires). Tiers
+bound to a run (``run_identity``) commit and delete only that run's steps; at start the
+persister removes its ranks' writes that a crash cut short.
 """
 from __future__ import annotations
 
 import json
 import logging
-import mmap
 import re
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence, Union
 
-from phalanx.configs.errors import SnapshotCorrupt, SnapshotNotFound, TierUnavailable
+from phalanx.configs.errors import (SnapshotCorrupt, SnapshotNotFound, SnapshotOfOtherRun,
+                                    TierUnavailable)
 from phalanx.runtime.base import Tier
 from phalanx.runtime.keeper.daemon import Keeper
 from phalanx.runtime.tiers.cadence import pick_step
+from phalanx.runtime.tiers.slot_copy import Preempted, close_quietly, copy_unless, payload_size
 from phalanx.runtime.snapshot.format import verify_snapshot
 
 log = logging.getLogger(__name__)
 
 __all__ = ["TierPersister", "TierSpec", "payload_size", "pick_step"]
 _MAX_BACKOFF_DOUBLINGS = 4  # commit retries wait at most 16 x commit_retry_s
-_STAGE_CHUNK = 64 << 20     # a preempted copy stops within one chunk
+_MAX_GATED = 4              # superseded steps whose markers wait for the commit point
 _TENSOR_RE = re.compile(r"tensor '([^']*)'")
 # (tier, every_steps, keep) or (tier, every_steps, keep, every_s)
 TierSpec = Union[tuple[Tier, int, int], tuple[Tier, int, int, float]]
-
-
-class _Preempted(Exception):
-    """The worker claimed the slot being copied (internal; becomes ``tier_skipped``)."""
-
-
-def payload_size(manifest: bytes, published: int, rank: int, step: int) -> int:
-    """Bytes of ``rank``'s payload at ``step`` to persist: the manifest's ``total_bytes``
-    when it records one (a worker may publish its whole, larger slot), else ``published``.
-    Raises SnapshotCorrupt when the manifest names another rank or step, or records more
-    bytes than were published."""
-    try:
-        raw = json.loads(manifest)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return published                  # an opaque manifest: the published size is all
-    if not isinstance(raw, dict):
-        return published
-    if raw.get("rank", rank) != rank or raw.get("step", step) != step:
-        raise SnapshotCorrupt(f"keeper slot of rank {rank} step {step} holds a manifest of "
-                              f"rank {raw.get('rank')!r} step {raw.get('step')!r}")
-    total = raw.get("total_bytes")
-    if type(total) is not int:
-        return published
-    if not 0 < total <= published:
-        raise SnapshotCorrupt(f"rank {rank} step {step}: manifest records {total} payload "
-                              f"bytes but the keeper published {published}")
-    return total
 
 
 @dataclass
@@ -82,6 +65,7 @@ class _TierState:
     committed: int | None = None
     skipped: int = 0                   # steps given up: gone, corrupt or preempted
     pending: int | None = None         # persisted here, marker not yet written
+    gated: list[int] = field(default_factory=list)  # superseded, waiting for the commit point
     pending_since: float = 0.0
     next_commit_try: float = 0.0
     commit_tries: int = 0
@@ -121,10 +105,13 @@ class TierPersister:
                  commit_retry_s: float = 1.0, commit_wait_s: float = 600.0,
                  join_timeout_s: float = 30.0,
                  wall_clock: Callable[[], float] = time.time,
-                 may_write: Callable[[], bool] | None = None) -> None:
+                 may_write: Callable[[], bool] | None = None,
+                 committed: Callable[[], int] | None = None) -> None:
         """Raises ValueError for bad tiers or ranks. Does no I/O. ``may_write``: asked
-        before each round of writes (a fenced keeper must write nothing)."""
+        before each round of writes (a fenced keeper must write nothing); ``committed``:
+        the job's commit point, which a step's marker waits for (None: no wait)."""
         self._may_write = may_write
+        self._committed = committed
         self._world = sorted(set(int(r) for r in world_ranks))
         self.set_local_ranks(local_ranks)
         if not self._local or not set(self._local) <= set(self._world):
@@ -214,6 +201,7 @@ class TierPersister:
 
     def _run(self) -> None:
         """Thread boundary: every failure becomes an event, never an exception."""
+        self._clean_abandoned()
         while not self._stop.is_set():
             try:
                 self._tick()
@@ -221,6 +209,21 @@ class TierPersister:
                 log.exception("persister_error node=%s", self._keeper.node)
                 self._emit({"event": "persister_error", "error": f"{type(exc).__name__}: {exc}"})
             self._stop.wait(self._poll_s)
+
+    def _clean_abandoned(self) -> None:
+        """Remove this node's ranks' writes a crash cut short (this run's, uncommitted)."""
+        for state in self._states:
+            clean = getattr(state.tier, "clean_abandoned", None)
+            if clean is None or (self._may_write is not None and not self._may_write()):
+                continue
+            try:
+                removed = clean(list(self._local))
+            except (TierUnavailable, OSError) as exc:
+                self._degraded(state, 0, exc)
+                continue
+            if removed:
+                self._emit({"event": "tier_cleaned", "tier": state.tier.name,
+                            "removed": [list(pair) for pair in removed]})
 
     def _tick(self) -> None:
         if self._may_write is not None and not self._may_write():
@@ -274,7 +277,7 @@ class TierPersister:
                 return
             try:
                 written += self._write_rank(state.tier, rank, step)
-            except (SnapshotNotFound, SnapshotCorrupt, _Preempted) as exc:
+            except (SnapshotNotFound, SnapshotCorrupt, Preempted) as exc:
                 self._skipped(state, step, rank, exc)
                 return
             except (TierUnavailable, OSError) as exc:
@@ -285,7 +288,9 @@ class TierPersister:
             state.persisted = step
         self._emit({"event": "tier_persisted", "tier": name, "step": step, "ranks": ranks,
                     "bytes": written, "seconds": round(time.monotonic() - started, 6)})
-        if state.pending is not None:
+        if state.pending is not None and self._gated(state.pending):
+            state.gated = [*state.gated, state.pending][-_MAX_GATED:]   # its marker still may
+        elif state.pending is not None:
             self._emit({"event": "tier_commit_abandoned", "tier": name, "step": state.pending,
                         "reason": f"superseded by step {step}"}, logging.WARNING)
         state.pending, state.pending_since = step, time.monotonic()
@@ -294,7 +299,7 @@ class TierPersister:
     def _write_rank(self, tier: Tier, rank: int, step: int) -> int:
         """Verify ``rank``'s payload at ``step`` against its manifest, then write it.
         Returns payload bytes; raises SnapshotNotFound (no longer held), SnapshotCorrupt
-        (checksums), _Preempted (2 slots: the worker claimed it) or what the tier raises."""
+        (checksums), Preempted (2 slots: the worker claimed it) or what the tier raises."""
         with self._payload(rank, step) as (view, manifest):
             verify_snapshot(view, manifest, secret=None,
                             source=f"keeper {self._keeper.node} rank {rank} step {step}")
@@ -320,14 +325,14 @@ class TierPersister:
                 if not self._stage:
                     yield view, manifest
                     return
-                copy = _copy_unless(view, preempted, f"rank {rank} step {step}")
+                copy = copy_unless(view, preempted, f"rank {rank} step {step}")
         finally:
             self._keeper.unpin(held, on_claim)
         try:
             with memoryview(copy) as whole, whole.toreadonly() as view:
                 yield view, manifest
         finally:
-            _close_quietly(copy)
+            close_quietly(copy)
 
     def _try_commit(self, state: _TierState) -> None:
         """Write the pending step's marker once every rank of the job is in the tier. A
@@ -335,14 +340,16 @@ class TierPersister:
         ``tier_degraded``) is retried after commit_retry_s, doubling up to 16x (each try
         lists the step: keep S3 LISTs per node few), until commit_wait_s passes or a
         newer persisted step supersedes it."""
+        self._commit_gated(state)
         step, now = state.pending, time.monotonic()
-        if step is None or now < state.next_commit_try:
-            return
+        if step is None or now < state.next_commit_try or self._gated(step):
+            return                       # gated: asked again at the next poll, no backoff
         name = state.tier.name
         try:
             state.tier.commit_step(step, self._world)
         except (SnapshotNotFound, TierUnavailable, OSError) as exc:
-            if not isinstance(exc, SnapshotNotFound) and not state.commit_alerted:
+            alert = isinstance(exc, SnapshotOfOtherRun) or not isinstance(exc, SnapshotNotFound)
+            if alert and not state.commit_alerted:
                 state.commit_alerted = True
                 self._degraded(state, step, exc)
             if now - state.pending_since < self._commit_wait_s:
@@ -362,6 +369,29 @@ class TierPersister:
         with self._lock:
             state.committed = step
 
+    def _gated(self, step: int) -> bool:
+        """Whether ``step`` is past the job's commit point (its marker must wait)."""
+        return self._committed is not None and step > self._committed()
+
+    def _commit_gated(self, state: _TierState) -> None:
+        """Markers of superseded steps that only waited for the job's commit point: each
+        is written once the point reaches it, or dropped when a rank's files are missing
+        (another node persisted another step of that window)."""
+        for step in [s for s in state.gated if not self._gated(s)]:
+            state.gated.remove(step)
+            try:
+                state.tier.commit_step(step, self._world)
+            except (SnapshotNotFound, TierUnavailable, OSError) as exc:
+                self._emit({"event": "tier_commit_abandoned", "tier": state.tier.name,
+                            "step": step, "reason": f"{type(exc).__name__}: {exc}"},
+                           logging.WARNING)
+                continue
+            self._emit({"event": "tier_committed", "tier": state.tier.name, "step": step})
+            if self._retains:
+                self._retain(state, step)
+            with self._lock:
+                state.committed = max(step, state.committed or step)
+
     def _retain(self, state: _TierState, step: int) -> None:
         try:
             deleted = state.tier.apply_retention(state.keep)
@@ -373,7 +403,8 @@ class TierPersister:
                         "deleted": deleted})
 
     def _skipped(self, state: _TierState, step: int, rank: int, exc: Exception) -> None:
-        causes: dict[type[Exception], str] = {SnapshotNotFound: "gone", SnapshotCorrupt: "corrupt"}
+        causes: dict[type[Exception], str] = {SnapshotNotFound: "gone", SnapshotCorrupt: "corrupt",
+                                              SnapshotOfOtherRun: "other_run"}
         cause = causes.get(type(exc), "preempted")
         event = {"event": "tier_skipped", "tier": state.tier.name, "step": step, "rank": rank,
                  "cause": cause, "reason": str(exc)}
@@ -408,30 +439,6 @@ class TierPersister:
             self._on_event(dict(event))
         except Exception:  # noqa: BLE001 - a listener's bug must not stop persisting
             log.exception("persister.on_event_failed event=%s", event["event"])
-
-
-def _copy_unless(src: memoryview, preempted: threading.Event, what: str) -> mmap.mmap:
-    """A private copy of ``src``, made chunk by chunk; raises _Preempted once
-    ``preempted`` is set before the last chunk (after it the copy is whole: the claim
-    waits for the unpin)."""
-    copy = mmap.mmap(-1, src.nbytes)
-    try:
-        with memoryview(copy) as dst:
-            for start in range(0, src.nbytes, _STAGE_CHUNK):
-                if preempted.is_set():
-                    raise _Preempted(f"{what}: the worker claimed the slot mid-copy")
-                dst[start:start + _STAGE_CHUNK] = src[start:start + _STAGE_CHUNK]
-    except BaseException:
-        _close_quietly(copy)
-        raise
-    return copy
-
-
-def _close_quietly(copy: mmap.mmap) -> None:
-    try:
-        copy.close()
-    except BufferError:  # a traceback still holds a view of it: the GC unmaps it
-        pass
 
 
 def _log_value(value: Any) -> str:

@@ -1,7 +1,9 @@
 """The S3 checkpoint tier: steps as objects under ``<prefix>/<job>/step_<n:012d>/``.
 
 The only module that imports boto3/botocore; their errors become ``TierUnavailable``
-(transient, after bounded retries) or ``SnapshotNotFound`` (404) at this boundary.
+(transient, after bounded retries) or ``SnapshotNotFound`` (404) at this boundary. Bound to
+a run (``run_id``) it sees, commits and deletes only that run's steps, like the disk tier
+(``phalanx.runtime.tiers.run_identity``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as 
 from phalanx.configs.errors import ConfigError, SnapshotNotFound, TierUnavailable
 from phalanx.configs.schema import S3TierConfig, validate_bucket
 from phalanx.runtime.base import iter_chunks
+from phalanx.runtime.tiers import run_identity as runs
 from phalanx.runtime.tiers.disk import (COMMIT_NAME, STEP_RE, as_byte_view, commit_marker,
                                         normalize_ranks, rank_file_names, retention_victims,
                                         step_dir_name, validate_job)
@@ -104,7 +107,7 @@ class S3Tier:
 
     name = "s3"
 
-    def __init__(self, cfg: S3TierConfig, job: str, client: Any = None, *,
+    def __init__(self, cfg: S3TierConfig, job: str, client: Any = None, *, run_id: str = "",
                  part_size: int = DEFAULT_PART_SIZE, max_attempts: int = 4,
                  deadline_s: float = 120.0, backoff_base_s: float = 0.2,
                  backoff_cap_s: float = 5.0, botocore_max_attempts: int = 3,
@@ -112,6 +115,7 @@ class S3Tier:
         self._cfg = cfg
         self._bucket = validate_bucket(cfg.bucket)
         self._job = validate_job(job)
+        self.run_id = run_id
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size {part_size} is below S3's minimum part size "
                              f"{MIN_PART_SIZE}")
@@ -244,8 +248,35 @@ class S3Tier:
             log.warning("tier_abort_failed tier=s3 key=%s error=%r (a bucket lifecycle rule for "
                         "incomplete multipart uploads reclaims it)", key, _describe(exc))
 
+    def get_object(self, step: int, name: str) -> bytes | None:
+        try:
+            return self._get(self._key(step, name), self._url(self._key(step, name)))
+        except SnapshotNotFound:
+            return None
+
+    def put_object(self, step: int, name: str, data: bytes) -> None:
+        self._put(self._key(step, name), data, self._url(self._key(step, name)))
+
+    def delete_object(self, step: int, name: str) -> None:
+        key = self._key(step, name)
+        self._retry("delete_object", self._url(key),
+                    lambda: self.client.delete_object(**self._params(key)))
+
+    def step_names(self, step: int) -> list[str]:
+        prefix = f"{self._base}/{step_dir_name(step)}/"
+        return sorted(k[len(prefix):] for k in self._list(prefix, delimiter=None))
+
     def write_rank(self, step: int, rank: int, payload: memoryview | bytes, manifest: bytes) -> None:
-        """Payload (multipart above part_size), then manifest. Raises TierUnavailable."""
+        """Payload (multipart above part_size), then manifest (with a run: between its
+        run records). Raises TierUnavailable."""
+        if self.run_id:
+            runs.write_owned(self, step, rank, self.run_id,
+                             lambda: self._write_files(step, rank, payload, manifest))
+        else:
+            self._write_files(step, rank, payload, manifest)
+
+    def _write_files(self, step: int, rank: int, payload: memoryview | bytes,
+                     manifest: bytes) -> bytes:
         payload_name, manifest_name = rank_file_names(rank)
         view = as_byte_view(payload)
         key = self._key(step, payload_name)
@@ -259,11 +290,13 @@ class S3Tier:
         self._put(self._key(step, manifest_name), bytes(manifest), target)
         log.debug("tier_write tier=s3 step=%d rank=%d bytes=%d parts=%d elapsed_s=%.3f",
                   step, rank, view.nbytes, parts, time.monotonic() - started)
+        return bytes(manifest)
 
     def commit_step(self, step: int, ranks: list[int]) -> None:
         """Write ``COMMIT`` once a listing shows every rank's two objects.
 
-        Raises SnapshotNotFound naming the first missing rank, TierUnavailable on errors."""
+        Raises SnapshotNotFound naming the first missing rank (SnapshotOfOtherRun: bound to
+        a run, and a rank's objects are another run's), TierUnavailable on errors."""
         wanted = normalize_ranks(ranks)
         prefix = f"{self._base}/{step_dir_name(step)}/"
         present = set(self._list(prefix, delimiter=None))
@@ -272,7 +305,10 @@ class S3Tier:
                 if prefix + name not in present:
                     raise SnapshotNotFound(f"tier s3: cannot commit step {step}: rank {rank} "
                                            f"has no {name} at {self._url(prefix)}")
-        self._put(self._key(step, COMMIT_NAME), commit_marker(step, wanted), f"step {step} commit")
+        if self.run_id:
+            runs.check_owned(self, step, wanted, self.run_id, "commit")
+        self._put(self._key(step, COMMIT_NAME), commit_marker(step, wanted, self.run_id),
+                  f"step {step} commit")
         log.info("tier_commit tier=s3 step=%d ranks=%d", step, len(wanted))
 
     # -------------------------------------------------------------------- reads
@@ -293,7 +329,10 @@ class S3Tier:
         return f"{self._url(self._key(step, payload_name))} + {manifest_name}"
 
     def read_rank(self, step: int, rank: int) -> tuple[bytes, bytes]:
-        """(payload, manifest), byte for byte; raises SnapshotNotFound naming step and rank."""
+        """(payload, manifest), byte for byte; raises SnapshotNotFound naming step and rank
+        (SnapshotOfOtherRun: bound to a run, and they are another run's)."""
+        if self.run_id:
+            runs.check_owned(self, step, [rank], self.run_id, "restore")
         payload_name, manifest_name = rank_file_names(rank)
         payload_key, manifest_key = self._key(step, payload_name), self._key(step, manifest_name)
         payload = self._get(payload_key, f"step {step} rank {rank} ({self._url(payload_key)})")
@@ -341,7 +380,9 @@ class S3Tier:
         return steps, committed
 
     def committed_steps(self) -> list[int]:
-        return self._scan()[1]
+        """Steps with a ``COMMIT`` marker (bound to a run: of that run), ascending."""
+        committed = self._scan()[1]
+        return runs.committed_of_run(self, committed, self.run_id) if self.run_id else committed
 
     # ------------------------------------------------------------ deletes, check
 
@@ -362,13 +403,31 @@ class S3Tier:
         log.info("tier_delete tier=s3 step=%d objects=%d", step, len(keys))
 
     def apply_retention(self, keep: int) -> list[int]:
+        """All but the newest ``keep`` committed steps, and older partial ones; bound to a
+        run, only that run's."""
         steps, committed = self._scan()
+        if self.run_id:
+            steps, committed = runs.steps_of_run(self, steps, committed, self.run_id)
         victims = retention_victims(steps, committed, keep)
         for step in victims:
             self.delete_step(step)
         if victims:
             log.info("tier_retention tier=s3 keep=%d deleted=%s", keep, victims)
         return victims
+
+    def clean_abandoned(self, ranks: list[int]) -> list[tuple[int, int]]:
+        """Remove ``ranks``' objects whose write this run never finished, in uncommitted
+        steps; returns the (step, rank) pairs removed. Unbound: nothing."""
+        if not self.run_id:
+            return []
+        steps, committed = self._scan()
+        found = runs.abandoned_writes(self, steps, committed, ranks, self.run_id)
+        for step, rank in found:
+            for name in (*rank_file_names(rank), runs.record_name(rank)):
+                self.delete_object(step, name)
+        if found:
+            log.info("tier_cleaned tier=s3 run=%s abandoned=%s", self.run_id, found)
+        return found
 
     def check(self) -> None:
         """The launch check: HEAD the bucket (credentials, existence, owner), then put and

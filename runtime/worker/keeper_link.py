@@ -1,6 +1,8 @@
 """A worker's link to its node's keeper that outlives the keeper: a snapshot the keeper can
 no longer take is skipped (training goes on), and the link moves to the keeper the
-launcher started in its place, which it finds under ``keepers/<node>`` in etcd."""
+launcher started in its place, which it finds under ``keepers/<node>`` in etcd. A keeper
+that refuses the job's snapshots for want of shared memory (``MemoryPlanExceeded``) stops
+the worker, unless the job accepted degraded protection (then the refusal is skipped)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +13,7 @@ from typing import Any, Callable, Mapping
 from phalanx.configs.errors import ConfigError, MembershipUnavailable, PeerUnreachable, PhalanxError
 from phalanx.runtime.base import Membership
 from phalanx.runtime.commit import KeeperReport
+from phalanx.runtime.keeper.memory_plan import MemoryPlanExceeded
 from phalanx.runtime.keeper.reporter import KEEPERS
 from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.snapshot.snapshotter import Snapshotter
@@ -77,9 +80,11 @@ class KeeperLink:
             self._skip(snapshotter, step)
             return False
         except ConfigError as exc:
-            if exc.key != "snapshot.shm_dir":
+            # the job's snapshots do not fit and degraded protection was not accepted
+            # (snapshot.allow_unprotected): never train on without a safety net unknowingly
+            if exc.key != "snapshot.shm_dir" or isinstance(exc, MemoryPlanExceeded):
                 raise
-            self._no_room(snapshotter, step, exc)    # shared memory is full: train on
+            self._no_room(snapshotter, step, exc)    # accepted: shared memory is full, train on
             return False
         if self._full_since is not None:
             log.warning("event=snapshot_room_back rank_step=%d skipped=%d", step, self.skipped)

@@ -37,6 +37,7 @@ from phalanx.runtime.group.default_group import default_group, process_collectiv
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.logs import ReplayMarker, bind_fields
 from phalanx.runtime.membership.generation import Fenced, GenerationWatcher
+from phalanx.runtime.worker.accumulation import AccumulationGuard
 from phalanx.runtime.worker.activity import Activity
 from phalanx.runtime.worker.data import LoaderPosition
 from phalanx.runtime.worker.heartbeat import Heartbeat
@@ -118,8 +119,12 @@ class Session:
     an initial value to copy into comes back on the CPU) and update them inside
     ``step()``: the snapshot taken as a step ends holds the extras as they are then. Store
     a new tensor rather than changing one in place during the next step: a snapshot copies
-    tensors in the background while that step runs. An unsupported value raises TypeError
-    naming its key (``__phalanx__/extras/<key>``) at the next snapshot.
+    tensors in the background while that step runs (a snapshot that saw such a write is
+    dropped, ``event=snapshot_torn``, and later ones copy before the loop goes on; see
+    docs/porting.md, "What the loop must not do"). An unsupported value raises TypeError
+    naming its key (``__phalanx__/extras/<key>``) at the next snapshot. Gradients carried
+    from one ``step()`` into the next are refused (``StateNotCapturable``): accumulate
+    inside one step.
 
     ``start()`` restores the rank's state when it replaces a lost rank, joins the
     generation's group and etcd; raises ``PeerUnreachable``, ``MembershipUnavailable`` or
@@ -142,6 +147,7 @@ class Session:
         self.recoveries = 0
         self._keeper: KeeperLink | None = None
         self._snapshotter: Snapshotter | None = None
+        self._grad_guard = AccumulationGuard(self.context.rank)
         self._collective: Collective | None = None
         self._collective_error: dict[str, Any] | None = None
         self._store_address = (self.context.master_addr, self.context.master_port)
@@ -183,6 +189,8 @@ class Session:
         if isinstance(restore, dict):
             self._apply_restore(int(restore["step"]),
                                 [source_from_json(s) for s in restore["sources"]], ctx.generation)
+            self._awaiting_first_step = True
+        elif ctx.generation > 0:    # started afresh by a recovery (nothing was committed)
             self._awaiting_first_step = True
         if not ctx.standalone_run:
             # the process's collective: the script's init_process_group() may have formed it
@@ -264,6 +272,8 @@ class Session:
         replaced: ``phalanx.runtime.worker.keeper_link``)."""
         assert self._keeper is not None
         self._keeper.capture(snapshotter, self._progress.step_index, self._objects)
+        # gradients are no snapshot state: refuse them accumulated across this boundary
+        self._grad_guard.arm(self._progress.step_index, self._objects)
 
     def _hook_optimizer(self, obj: Any) -> None:
         """Snapshots copy the live tensors in the background while the next step's forward
@@ -289,6 +299,7 @@ class Session:
             self._collective.absorb_faults = False
         if self._started:
             _final["state_digest"] = state_digest(self._objects)
+        self._grad_guard.disarm()
         if self._snapshotter is not None:
             try:
                 self._snapshotter.close()
@@ -366,7 +377,8 @@ class Session:
     def register(self, **objects: Any) -> None:
         """Register training state by name: anything with ``state_dict()``/``load_state_dict()``
         (model, optimizer, scheduler, sampler), a ``torch.Generator``, ``phalanx.RNGState()``.
-        A plain value (JSON value, tensor, numpy array) becomes ``extras[name]``: update it
+        A plain value (JSON value, tensor, numpy array, numpy ``Generator`` or
+        ``RandomState``) becomes ``extras[name]``: update it
         there (``session.extras[name] = v``), since rebinding a local name is invisible to
         the session; a registered dict, list or tensor is also refilled in place on restore.
         Raises ValueError for a name already registered, already an extra, or reserved."""
@@ -405,9 +417,15 @@ class Session:
 
     def _recover_if_faulted(self) -> None:
         """Before a registered loader's next batch: a collective that failed outside a
-        step (an evaluation pass) rolls back now, before the batch is fetched."""
+        step (an evaluation pass) rolls back now, before the batch is fetched; so does a
+        new generation that began while this rank did no collective: it joins at this step
+        boundary, while the others' group formation still waits for it."""
         fault = self._group_fault()
-        if fault is not None and self._watcher is not None:
+        watcher = self._watcher
+        if fault is None and watcher is not None and self._collective is not None \
+                and watcher.newer_than(self.generation):
+            fault = f"generation {watcher.latest} began while this rank ran no collective"
+        if fault is not None and watcher is not None:
             self._recover(fault)
 
     @contextmanager
@@ -447,7 +465,7 @@ class Session:
             self._capture(snapshotter)  # the initial state
             if self._verifier is not None:
                 self._verifier.note_capture(self._progress.step_index)
-        self._recover_if_faulted()      # a collective failed outside a step (evaluation)
+        self._recover_if_faulted()      # a failed collective or a new generation since
         if self._progress.step_index in self.context.drill_gates:
             self._hold_at_gate(self._progress.step_index)
         started = time.perf_counter()
@@ -466,6 +484,8 @@ class Session:
         if (fault := self._group_fault()) is not None:   # a DDP bucket failed: roll back
             self._recover(fault)
             return
+        if snapshotter is not None:     # a loop with no fence publishes now, not later
+            snapshotter.judge_if_copied()
         self._progress.step_index += 1
         self._log_step(self._progress.step_index - 1, time.perf_counter() - started)
         if self._awaiting_first_step:  # the first step of a new generation: report it now
@@ -665,14 +685,18 @@ class Session:
 
     def _snapshot_extra(self) -> dict[str, Any]:
         """The snapshots' cost so far (the launcher's metrics): the interval in force, the
-        training thread's summed capture stall and the captures published. Changes at most
+        training thread's summed capture stall, the captures published and (when any) the
+        ones dropped as torn (``event=snapshot_torn``). Changes at most
         once per capture, so it adds no heartbeat writes."""
         snapshotter = self._snapshotter
         if snapshotter is None:
             return {}
         stats = snapshotter.stats
-        return {"snapshot": {"every_steps": snapshotter.interval,
-                             "stall_s": round(stats.stall_s, 6), "captures": stats.captures}}
+        info = {"every_steps": snapshotter.interval, "stall_s": round(stats.stall_s, 6),
+                "captures": stats.captures}
+        if stats.torn:          # snapshots dropped as torn; later ones copied synchronously
+            info["torn"] = stats.torn
+        return {"snapshot": info}
 
     def _beat_state(self) -> tuple:
         """What a heartbeat writes when it changed since the last one."""

@@ -227,3 +227,27 @@ def test_create_leased_elects_one_holder_until_its_lease_ends(
 
     assert eventually(lambda: standby.lease_lost != "")
     assert standby.get("coordinator") is None
+
+
+@pytest.mark.timeout(20)
+def test_put_if_writes_plan_and_generation_together_or_neither(
+        membership_factory: MembershipFactory) -> None:
+    winner, stale = membership_factory(), membership_factory()
+    assert winner.compare_and_swap("generation", 0, b"0")
+    seen = winner.get("generation")
+    assert seen is not None
+    # both coordinators read generation 0 at the same revision; the winner fences first
+    assert winner.put_if("generation", seen.mod_revision,
+                         {"plan/00000001": b"winner", "generation": b"1"})
+    assert not stale.put_if("generation", seen.mod_revision,
+                            {"plan/00000001": b"stale", "generation": b"1"})
+
+    plan, generation = stale.get("plan/00000001"), stale.get("generation")
+    assert plan is not None and plan.value == b"winner"   # the stale writer wrote neither key
+    assert generation is not None and generation.value == b"1"
+    assert plan.mod_revision == generation.mod_revision   # one transaction, one revision
+    assert not stale.put_if("absent", seen.mod_revision, {"plan/00000002": b"x"})
+    assert stale.get("plan/00000002") is None
+    assert stale.put_if("fresh", 0, {"fresh": b"1", "plan/00000003": b"y"})   # 0: absent
+    assert not stale.put_if("fresh", 0, {"plan/00000004": b"z"})
+    assert stale.get("plan/00000004") is None

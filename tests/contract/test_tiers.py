@@ -14,7 +14,8 @@ from typing import Any, Iterator
 import pytest
 from botocore.exceptions import ClientError
 
-from phalanx.configs.errors import ConfigError, SnapshotNotFound, TierUnavailable
+from phalanx.configs.errors import (ConfigError, SnapshotNotFound, SnapshotOfOtherRun,
+                                    TierUnavailable)
 from phalanx.configs.schema import S3TierConfig
 from phalanx.runtime.base import Tier
 from phalanx.runtime.tiers.disk import DiskTier
@@ -166,6 +167,42 @@ def test_bad_arguments_are_rejected(tier: Tier) -> None:
 @pytest.mark.timeout(30)
 def test_check_passes(tier: Tier) -> None:
     tier.check()
+
+
+# ------------------------------------------------------------- tiers bound to a run
+
+@pytest.fixture(params=["disk", "s3"])
+def bind(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """A factory of the disk or S3 tier bound to a run, all under one root/prefix."""
+    if request.param == "disk":
+        return lambda run: DiskTier(tmp_path / "tier", JOB, run_id=run)
+    cfg = request.getfixturevalue("s3_config")
+    return lambda run: _s3_tier(cfg, run_id=run)
+
+
+@pytest.mark.timeout(60)
+def test_run_bound_tiers_keep_two_runs_apart(bind: Any) -> None:
+    """Two launches into one tier path: run 2 neither sees, commits over, restores nor
+    deletes run 1's steps; an unbound tier (``phalanx ckpt``) still sees every run."""
+    first, second = bind("run-1"), bind("run-2")
+    for step in (40, 60):
+        _write_step(first, step, [0, 1])
+    assert second.committed_steps() == []
+    second.write_rank(20, 0, _payload(20, 0), _manifest(20, 0))
+    first.write_rank(20, 1, _payload(20, 1), _manifest(20, 1))   # a stale writer of run 1
+    with pytest.raises(SnapshotOfOtherRun, match="rank 1's files belong to run 'run-1'"):
+        second.commit_step(20, [0, 1])
+    with pytest.raises(SnapshotOfOtherRun):
+        second.read_rank(40, 0)
+    with pytest.raises(SnapshotOfOtherRun, match="step 40 is a committed checkpoint of run"):
+        second.write_rank(40, 0, _payload(40, 0), _manifest(40, 0))
+    _write_step(second, 20, [0, 1])
+    _write_step(second, 30, [0, 1])
+    assert second.committed_steps() == [20, 30]
+    assert second.apply_retention(1) == [20]
+    assert first.committed_steps() == [40, 60]
+    assert first.read_rank(40, 0) == (_payload(40, 0), _manifest(40, 0))
+    assert bind("").committed_steps() == [30, 40, 60]
 
 
 # ------------------------------------------------------------------------- memory fake

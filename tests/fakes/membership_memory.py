@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from phalanx.configs.errors import LeaseLost, MembershipUnavailable
 from phalanx.runtime.base import (MEMBERS, KeyValue, MemberRecord, WatchEvent, decode_member,
@@ -160,6 +160,23 @@ class InMemoryStore:
             if current != expected_revision:
                 return False
             self._put_locked(key, value, lease)
+        self._dispatch()
+        return True
+
+    def put_if(self, key: str, expected_revision: int, writes: Mapping[str, bytes]) -> bool:
+        """Every key of ``writes`` at one new revision, only if ``key``'s mod_revision is
+        ``expected_revision`` (0: absent)."""
+        if not writes:
+            raise ValueError(f"put_if on {key!r} needs at least one key to write")
+        with self._lock:
+            self._expire_due_locked()
+            entry = self._data.get(key)
+            if (0 if entry is None else entry.mod_revision) != expected_revision:
+                return False
+            self._revision += 1
+            for name, value in writes.items():
+                self._data[name] = _Entry(bytes(value), self._revision, 0)
+                self._notify_locked(WatchEvent("put", name, bytes(value)))
         self._dispatch()
         return True
 
@@ -316,6 +333,10 @@ class InMemoryMembership:
     def compare_and_swap(self, key: str, expected_revision: int, value: bytes) -> bool:
         self._check_open("compare_and_swap")
         return self.store.compare_and_swap(key, expected_revision, value)
+
+    def put_if(self, key: str, expected_revision: int, writes: Mapping[str, bytes]) -> bool:
+        self._check_open("put_if")
+        return self.store.put_if(key, expected_revision, writes)
 
     def watch_prefix(self, prefix: str,
                      callback: Callable[[WatchEvent], None]) -> Callable[[], None]:

@@ -204,7 +204,21 @@ def check_etcd_restart(run: Run) -> None:
     assert moved == ["rank_1_w1-g0", "rank_3_w3-g0"], moved
 
 
+def check_kill_before_commit(run: Run) -> None:
+    """Nothing committed: the plan starts every rank over (no abort): a spare for the
+    killed rank, a fresh worker for each survivor, none restored from anything."""
+    (plan,) = run.named("plan")
+    assert plan["actions"][0] == "Rollback" and plan["restore_step"] == -1, plan
+    assert sorted(plan["actions"][1:]) == ["PromoteSpare"] + ["RestartWorker"] * 3, plan
+    assert not run.named("job_failed")
+    (record,) = run.named("recovered")
+    assert record["restore_step"] == -1 and record["ranks"] == [1]
+    started = set(worker_pids(run.dir))
+    assert {f"rank_{r}_w{r}-g1" for r in (0, 2, 3)} <= started, sorted(started)
+
+
 DEEPER = {"kill_worker": check_kill_worker, "hang_worker": check_hang_worker,
+          "kill_before_commit": check_kill_before_commit,
           "kill_node": check_kill_node, "tier_fallback": check_tier_fallback,
           "spare_exhausted": check_spare_exhausted, "node_partition": check_node_partition,
           "corrupt_params": check_corrupt_params, "etcd_restart": check_etcd_restart,

@@ -43,7 +43,7 @@ def test_every_shipped_scenario_loads_and_its_overrides_are_valid_config(path: P
     (scenario({**KILL, "kind": "explode"}), "faults[0].kind", "not a known fault"),
     (scenario({**KILL, "target": {"node": 1}}), "faults[0].target.rank", "not a rank index"),
     (scenario({**KILL, "trigger": {}}), "faults[0].trigger", "no trigger"),
-    (scenario({**KILL, "trigger": {"at_step": 0}}), "faults[0].trigger.at_step", "step >= 1"),
+    (scenario({**KILL, "trigger": {"at_step": -1}}), "faults[0].trigger.at_step", "step >= 0"),
     (scenario({**KILL, "trigger": {"at_step": 3, "at_time_s": 1}}), "faults[0].trigger",
      "names"),
     (scenario({**KILL, "trigger": {"probability": 1.5, "steps": [1, 9]}}),

@@ -20,6 +20,7 @@ from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.snapshot.format import verify_snapshot
 from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter
 from phalanx.runtime.tiers.disk import DiskTier
+from phalanx.runtime.tiers.run_identity import run_id_of
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ class Env:
 def tier(tmp_path: Path) -> tuple[DiskTier, Env, bytes, bytes]:
     job = f"st{secrets.token_hex(3)}"
     payload, manifest = snapshot(job)
-    disk = DiskTier(tmp_path, job)
+    disk = DiskTier(tmp_path, job, run_id=run_id_of(tmp_path))   # written by the drilled run
     for step in (10, 20):
         for rank in range(4):
             disk.write_rank(step, rank, payload, manifest)

@@ -109,6 +109,14 @@ def from_tier(rank: int, tier: str, step: int) -> RestoreFromTier:
     return RestoreFromTier(Rank(rank), tier, Step(step))
 
 
+def every_survivor_starts_over(plan: RecoveryPlan, lost: set[int]) -> None:
+    """Nothing committed: each surviving rank gets a fresh worker on its own node (its
+    process is past the initial state), so the whole world starts over together."""
+    restarted = {r.rank: r.node for r in plan.of_type(RestartWorker)}
+    assert restarted == {Rank(r): NodeId(f"n{r // 2}") for r in range(8) if r not in lost}
+    assert "start over" in plan.reason
+
+
 def no_rollback(plan: RecoveryPlan) -> None:
     assert plan.of_type(Rollback) == []
 
@@ -182,7 +190,8 @@ CASES = {
         contains=[replica(2, "n2"), replica(3, "n3")]),
     "nothing-committed-yet-restarts-from-initial-state": Case(
         [died(2, "n1")], world=make_world(committed=-1), restore_step=-1,
-        contains=[Rollback(Step(-1), ""), promote("sp_b", 2, "n3")]),
+        contains=[Rollback(Step(-1), ""), promote("sp_b", 2, "n3")],
+        check=lambda plan: every_survivor_starts_over(plan, lost={2})),
 }
 
 
