@@ -80,6 +80,8 @@ class KeeperActor:
         holders, persist the ranks now on this node."""
         self._fence = self._generation = generation
         self._write_fence.given(generation)
+        if generation > 0:
+            self._keeper.plan_proven()
         self._keeper.retarget(local_ranks, [int(r) for r, nodes in holders.items()
                                             if self._node in nodes])
         if self._replicator is not None:

@@ -118,9 +118,15 @@ def ended_document(info: Mapping[str, Any], run_dir: Path, summary: Mapping[str,
 
 def protection(events: Sequence[Event]) -> dict[str, Any]:
     """Pure: whether the run's snapshots have the memory they were planned with. ``full``,
-    or ``degraded`` when a keeper found they do not fit and the job trains on because of
-    ``snapshot.allow_unprotected`` (``snapshot_unprotected`` events: nodes, newest reason)."""
-    alerts = [e for e in events if e.get("event") == "snapshot_unprotected"]
+    or ``degraded`` while some rank trains without the slots it needs: the plan did not fit
+    and ``snapshot.allow_unprotected`` let it train on, or after a recovery the tmpfs had no
+    room for a promoted rank (``snapshot_unprotected`` events not yet followed by that
+    rank's ``snapshot_protected``: nodes, ranks, newest reason)."""
+    latest: dict[tuple[str, Any], Event] = {}    # (node, rank) -> its newest alert or all-clear
+    for e in events:
+        if e.get("event") in ("snapshot_unprotected", "snapshot_protected"):
+            latest[(str(e.get("node", "?")), e.get("rank"))] = e
+    alerts = [e for e in latest.values() if e.get("event") == "snapshot_unprotected"]
     if not alerts:
         return {"state": "full"}
     return {"state": "degraded", "nodes": sorted({str(e.get("node", "?")) for e in alerts}),

@@ -56,6 +56,11 @@ class Keeper:
         self.prefix = shm_prefix(job, node)
         self._generation_check = generation_check
         self._plan, self._allow_unprotected = plan, allow_unprotected
+        # once the job trained past a recovery its plan held at its first snapshots: a
+        # shortage now (another tenant filled the tmpfs) degrades with an alert, it does
+        # not fail a job that was protected (plan_proven)
+        self._plan_proven = False
+        self._unprotected: set[int] = set()    # ranks already alerted for
         self._on_event = on_event
         self._claim_wait_s = claim_wait_s
         self._cond = threading.Condition()
@@ -145,9 +150,8 @@ class Keeper:
             except BaseException as exc:
                 for buf in bufs:
                     buf.close()
-                if isinstance(exc, ConfigError) and self._plan is not None \
-                        and not self._allow_unprotected:     # the tmpfs filled up meanwhile
-                    raise MemoryPlanExceeded(exc.key, exc.problem, fix_hint(self.shm_dir)) from None
+                if isinstance(exc, ConfigError):             # the tmpfs filled up meanwhile
+                    self._refused(rank, nbytes, exc)
                 raise
             with self._cond:
                 self._refuse_if_closed(bufs)
@@ -158,6 +162,11 @@ class Keeper:
                 self._cond.notify_all()
         log.info("keeper.alloc node=%s rank=%d nbytes=%d version=%d", self.node, rank, nbytes,
                  version)
+        if rank in self._unprotected and self._plan_proven:   # room again: protected again
+            self._unprotected.discard(rank)
+            if self._on_event is not None:
+                self._on_event({"event": "snapshot_protected", "rank": rank,
+                                "rank_bytes": nbytes, "shm_dir": self.shm_dir})
         return [b.path for b in bufs]
 
     def _check_room(self, rank: int, nbytes: int) -> None:
@@ -171,7 +180,7 @@ class Keeper:
         made if they fit. Without a plan only this rank's slots are counted. Called by
         ``alloc`` under ``_alloc_lock``.
         """
-        if self._plan is not None:
+        if self._plan is not None and not self._plan_proven:
             self._check_plan(self._plan, rank, nbytes)
         need = memory_plan(nbytes, 1, self.slots, 0, 0)
         try:
@@ -186,9 +195,30 @@ class Keeper:
         except ConfigError as exc:
             log.warning("keeper.alloc_refused node=%s rank=%d nbytes=%d slots=%d need=%d",
                         self.node, rank, nbytes, self.slots, need)
-            if self._plan is not None and not self._allow_unprotected:
-                raise MemoryPlanExceeded(exc.key, exc.problem, fix_hint(self.shm_dir)) from None
+            self._refused(rank, nbytes, exc)
             raise
+
+    def plan_proven(self) -> None:
+        """The job recovered, so its memory plan held at its first snapshots: from now on a
+        rank without room (a promoted spare while the tmpfs is full) gets a
+        ``snapshot_unprotected`` alert and skips its snapshots until there is room,
+        instead of failing the job. Called by the keeper actor at generation > 0."""
+        self._plan_proven = True
+
+    def _refused(self, rank: int, nbytes: int, exc: ConfigError) -> None:
+        """A refused allocation: ``MemoryPlanExceeded`` while the job's plan is unproven
+        (and not ``allow_unprotected``); else one ``snapshot_unprotected`` alert per rank
+        and the plain ``ConfigError`` (the worker trains on, asking again next snapshot)."""
+        if self._plan is None:
+            return
+        if not self._plan_proven and not self._allow_unprotected:
+            raise MemoryPlanExceeded(exc.key, exc.problem, fix_hint(self.shm_dir)) from None
+        if self._on_event is not None and rank not in self._unprotected:
+            self._unprotected.add(rank)
+            self._on_event({"event": "snapshot_unprotected", "rank": rank, "rank_bytes": nbytes,
+                            "shm_dir": self.shm_dir,
+                            "reason": f"{exc.problem}; rank {rank} trains on without snapshots "
+                                      "on this node until there is room"})
 
     def _check_plan(self, plan: MemoryPlan, rank: int, nbytes: int) -> None:
         """The job's whole memory plan at ``rank``'s measured snapshot size (see
@@ -202,7 +232,8 @@ class Keeper:
         if not self._allow_unprotected:
             raise MemoryPlanExceeded("snapshot.shm_dir", f"{measured}; {short}",
                                      fix_hint(self.shm_dir))
-        if self._on_event is not None:
+        if self._on_event is not None and rank not in self._unprotected:
+            self._unprotected.add(rank)
             self._on_event({"event": "snapshot_unprotected", "rank": rank, "rank_bytes": nbytes,
                             "plan_bytes": plan.tmpfs_bytes(nbytes), "shm_dir": self.shm_dir,
                             "reason": f"{measured}; {short}; training on with degraded "

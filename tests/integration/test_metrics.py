@@ -114,10 +114,12 @@ def test_scrape_of_a_drilled_demo_matches_its_events(tmp_path: Path,
     assert get(chosen, "phalanx_generation") == record["generation"] == 1
     assert FAULT_STEP < get(chosen, "phalanx_job_step") <= get(chosen, "phalanx_job_step_max")
     assert get(chosen, "phalanx_job_steps_per_second") > 0
-    # the commit point in etcd is written at most every replication.commit_every_steps (10)
-    commit_every = 10
+    # the commit point in etcd is written at most every replication.commit_every_steps (10);
+    # it comes from the keepers, the job's steps from heartbeats (etcd.heartbeat_s 0.5 s,
+    # late by up to a second on a loaded machine: 7 steps of 0.15 s), so it may lead them
+    commit_every, heartbeat_steps = 10, 7
     assert record["restore_step"] - commit_every <= get(chosen, "phalanx_committed_step") \
-        <= get(chosen, "phalanx_job_step_max")
+        <= get(chosen, "phalanx_job_step_max") + heartbeat_steps
     assert get(chosen, "phalanx_ranks", state="running") + get(
         chosen, "phalanx_ranks", state="finished") == 4
     assert 0 <= get(chosen, "phalanx_heartbeat_age_seconds_max") < 5

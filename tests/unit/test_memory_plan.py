@@ -92,6 +92,47 @@ def test_first_snapshot_beyond_the_plan_is_refused_with_sizes_and_fix(tmpfs: str
         assert len(client.alloc(0, nbytes // 4)) == 3       # a plan that fits is served
 
 
+def _fill(folder: str) -> Path:
+    """A file that takes every free byte of the tmpfs ``folder`` (ENOSPC reached)."""
+    filler = Path(folder) / "filler"
+    with open(filler, "wb") as fh:
+        try:
+            while True:
+                fh.write(b"\0" * (256 << 10))
+                fh.flush()
+        except OSError:
+            pass
+    return filler
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_after_a_recovery_a_rank_without_room_trains_on_alerted_until_there_is_room(
+        tmpfs: str) -> None:
+    """The plan held at generation 0; a promoted rank that finds the tmpfs full later (the
+    capacity drill) is refused plainly (the worker skips its snapshots and asks again), one
+    alert per rank, and an all-clear once it has slots: the job is not failed."""
+    events: list[dict[str, Any]] = []
+    small = MIB // 4                 # the plan: 12 x 256 KiB = 3 MiB of the 8 MiB tmpfs
+    with _keeper(tmpfs, on_event=events.append) as keeper:
+        keeper.alloc(0, small)
+        filler = _fill(tmpfs)
+        with pytest.raises(MemoryPlanExceeded):          # generation 0: the plan is unproven
+            keeper.alloc(1, small)
+        keeper.plan_proven()                             # the job recovered (generation 1)
+        for _ in range(2):
+            with pytest.raises(ConfigError) as info:
+                keeper.alloc(1, small)
+            assert not isinstance(info.value, MemoryPlanExceeded)
+        assert [(e["event"], e["rank"]) for e in events] == [("snapshot_unprotected", 1)]
+        assert "trains on without snapshots" in events[0]["reason"]
+        assert protection([{**e, "node": "node0"} for e in events])["state"] == "degraded"
+        filler.unlink()
+        assert len(keeper.alloc(1, small)) == 3
+        assert [e["event"] for e in events] == ["snapshot_unprotected", "snapshot_protected"]
+        assert protection([{**e, "node": "node0"} for e in events]) == {"state": "full"}
+
+
 @pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_allow_unprotected_alerts_and_keeps_the_slots_that_fit(tmpfs: str) -> None:
