@@ -218,11 +218,8 @@ class DiskTier:
     def write_rank(self, step: int, rank: int, payload: memoryview | bytes, manifest: bytes) -> None:
         """Store one rank's payload then manifest, each atomically (with a run: between
         its run records). Raises TierUnavailable."""
-        if self.run_id:
-            runs.write_owned(self, step, rank, self.run_id,
-                             lambda: self._write_files(step, rank, payload, manifest))
-        else:
-            self._write_files(step, rank, payload, manifest)
+        runs.write_owned(self, step, rank, self.run_id,
+                         lambda: self._write_files(step, rank, payload, manifest))
 
     def _write_files(self, step: int, rank: int, payload: memoryview | bytes,
                      manifest: bytes) -> bytes:

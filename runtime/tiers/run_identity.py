@@ -142,11 +142,17 @@ def check_owned(objects: StepObjects, step: int, ranks: Iterable[int], run: str,
                 "resume explicitly with `phalanx launch --resume`")
 
 
-def write_owned(objects: StepObjects, step: int, rank: int, run: str, write_files: Any) -> None:
+def write_owned(objects: StepObjects, step: int, rank: int, run: str | None,
+                write_files: Any) -> None:
     """Write rank ``rank``'s files of ``step`` as run ``run``'s: the intent record, the
-    files (``write_files()``), then the complete record. Raises SnapshotOfOtherRun when
-    another run committed ``step`` there (its checkpoint is never overwritten)."""
+    files (``write_files()``), then the complete record; with no run (a tool's tier) just
+    the files. Raises SnapshotOfOtherRun when another run committed ``step`` there (its
+    checkpoint is never overwritten)."""
     from phalanx.runtime.tiers.disk import COMMIT_NAME
+
+    if not run:
+        write_files()
+        return
 
     marker = objects.get_object(step, COMMIT_NAME)
     if marker is not None and marker_run(marker) != run:
