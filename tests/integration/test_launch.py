@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from examples.train_mlp import batch, make_model, parameter_hash
-from tests.integration.launching import ROOT, LaunchResult, launch, phalanx_command
+from tests.integration.launching import (ROOT, LaunchResult, launch, phalanx_command,
+                                         wait_training)
 from tests.plugins.leaks import Footprint, assert_nothing_left
 
 pytestmark = pytest.mark.integration
@@ -152,14 +153,8 @@ def test_interrupt_stops_every_service(tmp_path: Path, footprint: Footprint) -> 
                           "job.args.sleep_per_step_s=0.01", "spares.count=0", run_root=tmp_path)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        latest = tmp_path / "latest"
-        while time.monotonic() < deadline:  # wait until the ranks are training
-            logs = Path(latest.read_text().strip()) / "logs" if latest.exists() else None
-            if logs and logs.is_dir() and len(list(logs.iterdir())) >= 2:
-                break
-            time.sleep(0.5)
-        time.sleep(3)
+        # interrupted while every rank trains (past its first snapshots), not at a fixed time
+        wait_training(tmp_path, past_step=10, proc=proc)
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
     finally:

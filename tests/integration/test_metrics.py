@@ -55,7 +55,7 @@ def test_scrape_of_a_drilled_demo_matches_its_events(tmp_path: Path,
                                                      footprint: Footprint) -> None:
     port = free_port()
     cmd = phalanx_command("configs/demo.yaml", f"drills.scenario={SCENARIO}",
-                          "job.name=metrics", "job.args.steps=100",
+                          "job.name=metrics", "job.args.steps=60",   # 6 s on after the kill
                           "job.args.sleep_per_step_s=0.15", f"metrics.port={port}",
                           run_root=tmp_path)
     with (tmp_path / "launch.out").open("w") as out, (tmp_path / "launch.err").open("w") as err:
