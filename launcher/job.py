@@ -336,6 +336,9 @@ class JobRunner:
             str(run.path))
         coordinator.store_address = (services.store_host, services.store.port)
         coordinator.still_leading = self._check_leadership   # asked between recovery retries
+        if self.resume_point is not None:   # a restart before the first commit restores it
+            coordinator.resumed_from = (self.resume_point.restore_for(self.cfg),
+                                        self.resume_point.checkpoint.run)
         return coordinator
 
     def _check_memory(self) -> None:
@@ -542,6 +545,8 @@ class JobRunner:
                 if time.monotonic() > deadline:
                     raise JobTimeout(f"job {cfg.job.name} ran past job.timeout_s="
                                      f"{cfg.job.timeout_s}")
+            if cfg.snapshot.enabled and (cfg.tiers.disk.enabled or cfg.tiers.s3.enabled):
+                commits.settle(3 * cfg.etcd.heartbeat_s)   # the tiers commit the last step
         finally:
             if injector is not None:
                 injector.close()

@@ -13,11 +13,13 @@ from typing import Any
 import ray
 
 from phalanx.configs.loader import load_config_text
+from phalanx.configs.errors import MembershipUnavailable
 from phalanx.runtime.logs import DEFAULT_FORMAT, bind_fields, configure_logging
 from phalanx.runtime.node import node_keeper
 from phalanx.runtime.keeper.fence import KeeperFence
 from phalanx.runtime.keeper.memory_plan import MemoryPlan
-from phalanx.runtime.keeper.reporter import KeeperReporter, keeper_member, report_from_keeper
+from phalanx.runtime.keeper.reporter import (KeeperReporter, keeper_member, read_commit_point,
+                                             report_from_keeper)
 from phalanx.runtime.membership.etcd import (EtcdMembership, client_fields, client_options,
                                              job_prefix)
 from phalanx.runtime.tiers.persister import TierPersister
@@ -26,6 +28,7 @@ from phalanx.runtime.tiers.config import tier_specs
 
 log = logging.getLogger(__name__)
 EVENTS_KEPT = 200
+PERSIST_SETTLE_S = 5.0   # at close, how long a marker the final commit point allows waits for other nodes
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
@@ -70,9 +73,13 @@ class KeeperActor:
         tiers = tier_specs(cfg, run_dir)
         self._persister = None
         if tiers and local_ranks:
+            # a tier commits only steps the job committed (f+1 copies, digests agreed)
             self._persister = TierPersister(self._keeper, tiers, list(range(cfg.job.world_size)),
                                             local_ranks, on_event=self._on_event,
-                                            may_write=self._write_fence.may_write).start()
+                                            may_write=self._write_fence.may_write,
+                                            committed=self._keeper.committed_step,
+                                            read_committed=self._read_commit,
+                                            settle_s=PERSIST_SETTLE_S).start()
 
     def set_targets(self, generation: int, local_ranks: list[int],
                     holders: dict[int, list[str]], addresses: dict[str, list]) -> None:
@@ -93,6 +100,15 @@ class KeeperActor:
 
     def replication_stats(self) -> dict[str, Any]:
         return {} if self._replicator is None else dict(self._replicator.stats())
+
+    def _read_commit(self) -> int:
+        """The ``commit`` key read now (the persister thread, while a marker waits for
+        it), handed to the keeper too; etcd unreachable: the keeper's last view."""
+        try:
+            self._keeper.note_committed(read_commit_point(self._membership))
+        except MembershipUnavailable as exc:
+            log.info("event=commit_read_failed node=%s error=%s", self._node, exc)
+        return self._keeper.committed_step()
 
     def _on_replica_event(self, event: dict[str, Any]) -> None:
         if event.get("event") == "replica_failed":

@@ -81,6 +81,27 @@ class CommitTracker:
             self._written, self._written_at = self.committed, now
         return self.committed
 
+    def settle(self, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+               sleep: Callable[[float], None] = time.sleep) -> int:
+        """At the job's end (the watch loop's thread): read until the commit point reaches
+        the newest step every rank holds (its replicas and digests land a heartbeat after
+        the last step) or ``timeout_s`` passes, then write it even when not due, so the
+        keepers' tier persisters commit the last checkpoint. Returns the commit point."""
+        deadline = clock() + timeout_s
+        while True:
+            self.poll(clock())
+            held = committed_step(self.reports, self._ranks, 0)
+            if self.committed >= held or clock() >= deadline:
+                break
+            sleep(self._read_every_s)
+        if self.committed > self._written:
+            try:
+                self._membership.put(COMMIT_KEY, commit_value(self.committed, time.time()))
+                self._written = self.committed
+            except MembershipUnavailable as exc:
+                log.warning("event=commit_write_failed step=%d error=%s", self.committed, exc)
+        return self.committed
+
     def _own(self, reports: dict[str, KeeperReport]) -> dict[str, KeeperReport]:
         """The reports of this run's keepers; another run's are dropped (and logged)."""
         if self._keepers is None:

@@ -16,8 +16,9 @@ from ray.exceptions import RayActorError
 
 from phalanx.configs.errors import PlanInfeasible
 from phalanx.configs.schema import PhalanxConfig
-from phalanx.launcher.coordination.bounds import (TierListing, laggards, not_reformed,
-                                                  rejoin_bound_s, tier_inventory_bound_s)
+from phalanx.launcher.coordination.bounds import (REJOIN_MARGIN_S, Laggard, TierListing,
+                                                  laggards, not_reformed, rejoin_bound_s,
+                                                  tier_inventory_bound_s)
 from phalanx.launcher.coordination.retry import retry_transient
 from phalanx.launcher.events import EventLog
 from phalanx.launcher.services.leadership import FenceLost
@@ -37,6 +38,8 @@ from phalanx.runtime.membership.generation import (GENERATION_KEY, GenerationPla
                                                    plan_key)
 from phalanx.runtime.keeper.reporter import report_from_keeper
 from phalanx.runtime.replication.placement import Placement, PlacementInput, place_replicas
+from phalanx.runtime.worker.restore_progress import (read_reports, restore_bound_s,
+                                                     restore_key, stale_after_s)
 from phalanx.spares.pool import SparePool
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class Recovery:
     rejoin_by: float = float("inf")   # coordinator clock: the group re-formed by then
     rejoin_s: float = 0.0             # the bound rejoin_by was set from
     workers: dict[int, str] = field(default_factory=dict)   # rank -> its worker in the plan
+    slow_restore: bool = False        # a rank's restore outlasted rejoin_by (told once)
 
 
 @dataclass
@@ -124,6 +128,9 @@ class RecoveryCoordinator:
         self.store_address: tuple[str, int] | None = None   # this launcher's TCPStore
         self.routes: dict[int, tuple[str, int]] = {}   # node -> where its replicas go (drills)
         self.holders_before: dict[int, dict[int, list[str]]] = {}  # generation -> replica holders
+        # a run started with --resume: the verified checkpoint's restore (step, sources) and
+        # its run id; nothing committed yet, every rank starts over from it, not from scratch
+        self.resumed_from: tuple[dict[str, Any], str] | None = None
 
     def fence_initial(self) -> None:
         if not self.membership.compare_and_swap(GENERATION_KEY, 0, b"0"):
@@ -230,9 +237,11 @@ class RecoveryCoordinator:
                       *reached])
         bound = rejoin_bound_s(self.cfg.recovery.group_timeout_s, self.cfg.etcd.heartbeat_s,
                                any(isinstance(a, RestartWorker) for a in plan.actions))
-        self.pending = Recovery(plan.generation, plan.restore_step, root.observed_at, root,
+        restore_step = plan.restore_step if plan.restore_step >= 0 or not self.resumed_from \
+            else int(self.resumed_from[0]["step"])          # restarted from the resume point
+        self.pending = Recovery(plan.generation, restore_step, root.observed_at, root,
                                 {"detect": detect_s}, plan.reason, fault_wall,
-                                max(0, newest - plan.restore_step), phase_start,
+                                max(0, newest - restore_step), phase_start,
                                 self.clock() + bound, bound,
                                 {r: s.worker_id for r, s in slots.items()})
 
@@ -253,11 +262,41 @@ class RecoveryCoordinator:
             behind = [lag for lag in behind if lag.rank in gone]
         if not gone and not behind:
             return          # joined; the first step (however long) is the stall detector's
-        bound = pending.rejoin_s
+        if not gone and self._still_restoring(pending, behind):
+            return          # a slow restore that still reports progress: waited for
+        bound = restore_bound_s(self.cfg.recovery.group_timeout_s) if pending.slow_restore \
+            else pending.rejoin_s
         self.events.emit("recovery_stalled", generation=pending.generation, bound_s=bound,
                          ranks={str(lag.rank): lag.why for lag in behind})
         self.phases.transition(Phase.FAILED, f"generation {pending.generation} not re-formed")
         raise not_reformed(pending.generation, bound, self.cfg.recovery.group_timeout_s, behind)
+
+    def _still_restoring(self, pending: Recovery, behind: Sequence[Laggard]) -> bool:
+        """Whether every rank ``behind`` still reports its restore (or has just restored
+        and is forming its group), within ``restore_bound_s`` of the plan: the
+        generation waits for them (event ``restore_slow``, once) instead of failing."""
+        gt = self.cfg.recovery.group_timeout_s
+        if self.clock() > pending.rejoin_by - pending.rejoin_s + restore_bound_s(gt):
+            return False
+        try:
+            reports = read_reports(self.membership, pending.generation)
+        except Exception as exc:  # etcd unreachable: no evidence of progress
+            log.warning("event=restore_reports_unreadable error=%r", exc)
+            return False
+        now, stale = time.time(), stale_after_s(self.cfg.etcd.heartbeat_s)
+        slow = {lag.rank: reports[lag.rank] for lag in behind if lag.rank in reports
+                and reports[lag.rank].worker == lag.worker_id
+                and (reports[lag.rank].in_progress(now, stale)
+                     or reports[lag.rank].formed_within(now, gt + REJOIN_MARGIN_S))}
+        if len(slow) < len(behind):
+            return False
+        if not pending.slow_restore:
+            pending.slow_restore = True
+            self.events.emit("restore_slow", generation=pending.generation,
+                             bound_s=restore_bound_s(gt),
+                             ranks={str(r): round(now - rep.started, 1)
+                                    for r, rep in sorted(slow.items())})
+        return True
 
     def _reached(self, slots: Mapping[int, RankSlot]) -> list[int]:
         """The steps the ranks had completed when the fault struck (their member records):
@@ -477,6 +516,7 @@ class RecoveryCoordinator:
         restore: dict[str, Any] | None = {
             "step": plan.restore_step, "joins_survivors": replaced < self.cfg.job.world_size,
         } if plan.restore_step >= 0 else None
+        initial = self._initial_restore() if restore is None else None
         worker_plan = self._current_plan
         for action in plan.actions:
             match action:
@@ -498,11 +538,22 @@ class RecoveryCoordinator:
                 with contextlib.suppress(Exception):   # (a survivor starting over)
                     ray.kill(old.actor, no_restart=True)
             sources = [source_to_json(s) for s in worker_plan.ranks[rank].sources]
-            slot.ref = self.launch(slot, plan.generation, None if restore is None
+            slot.ref = self.launch(slot, plan.generation, initial if restore is None
                                    else {**restore, "sources": sources})
             slots[rank] = slot
             self.events.emit("promoted", rank=rank, worker=slot.worker_id,
                              node=node_name(slot.node), generation=plan.generation)
+
+    def _initial_restore(self) -> dict[str, Any] | None:
+        """What a rank restarted with nothing committed starts from: the resume checkpoint
+        in a run started with ``--resume`` (each rank verifies its HMAC and checksums
+        again as it restores, as at launch), else None (its script's initial state)."""
+        if self.resumed_from is None:
+            return None
+        restore, run_id = self.resumed_from
+        self.events.emit("restart_from_resume", step=restore["step"], run_id=run_id,
+                         generation=self.generation)
+        return {**restore, "joins_survivors": False}
 
     # -- resuming ----------------------------------------------------------------------
     def check_resumed(self, members: Mapping[str, MemberRecord]) -> dict[str, Any] | None:
@@ -531,6 +582,9 @@ class RecoveryCoordinator:
         self.history.append(record)
         self.events.emit("recovered", **record)
         self.pending = None
+        with contextlib.suppress(Exception):   # the generation's restore reports: done with
+            for rank in read_reports(self.membership, pending.generation):
+                self.membership.delete(restore_key(pending.generation, rank))
         if self.pool is not None:  # refilled after the recovery, not competing with it
             self.pool.refill(sorted(self.live_nodes))
         return record

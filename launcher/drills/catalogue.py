@@ -22,10 +22,26 @@ MECHANISM_MODULES = ("phalanx.launcher.drills.faults.process", "phalanx.launcher
 
 
 @dataclass(frozen=True)
+class TierPrecondition:
+    """``trigger.after_tier_commit``: a step fault fires only once ``tier`` holds ``step``
+    committed for this run, waiting (the ranks held at the fault's gate) at most
+    ``within_s`` (<= 15 s: a held rank goes on after 20 s); past that it fires anyway
+    and its event says the precondition was unmet."""
+
+    tier: str
+    step: int
+    within_s: float = 15.0
+
+    def text(self) -> str:
+        return f"once {self.tier} holds step {self.step} committed (up to {self.within_s:g} s)"
+
+
+@dataclass(frozen=True)
 class FaultSpec:
     """One fault of a scenario: kind, target (rank, node or role) and trigger (``at_step``
     of the furthest rank, ``at_time_s`` after the first step, or ``probability`` per step
-    over ``steps`` = (first, last), drawn with ``seed``), plus kind-specific ``params``."""
+    over ``steps`` = (first, last), drawn with ``seed``; ``at_step`` may wait for
+    ``after_tier_commit``), plus kind-specific ``params``."""
 
     kind: str
     index: int = 0                       # position in the scenario (faults[index])
@@ -38,6 +54,7 @@ class FaultSpec:
     steps: tuple[int, int] | None = None
     seed: int = 0
     params: Mapping[str, Any] = field(default_factory=dict)
+    after_tier_commit: TierPrecondition | None = None
 
     def target_text(self) -> str:
         if self.rank is not None:
@@ -48,7 +65,8 @@ class FaultSpec:
 
     def trigger_text(self) -> str:
         if self.at_step is not None:
-            return f"at step {self.at_step}"
+            after = f" {self.after_tier_commit.text()}" if self.after_tier_commit else ""
+            return f"at step {self.at_step}{after}"
         if self.at_time_s is not None:
             return f"{self.at_time_s:g} s after the first step"
         assert self.steps is not None

@@ -9,16 +9,20 @@ import os
 import time
 from typing import Any, Callable, Mapping
 
-from phalanx.configs.errors import ConfigError, MembershipUnavailable
+from phalanx.configs.errors import ConfigError, MembershipUnavailable, TierUnavailable
 from phalanx.launcher.drills.scenario import Scenario, parse_fault, probability_step
-from phalanx.launcher.drills.catalogue import FaultEnv, FaultSpec, catalogue
+from phalanx.launcher.drills.catalogue import FaultEnv, FaultSpec, TierPrecondition, catalogue
 from phalanx.runtime.base import MemberRecord, Membership
+from phalanx.runtime.tiers.config import open_tier
+from phalanx.runtime.tiers.run_identity import run_id_of
 from phalanx.runtime.worker.drill_hooks import gate_key, gate_reason
 
 log = logging.getLogger(__name__)
 INJECT_PREFIX = "drills/inject/"
 INJECT_POLL_S = 0.25      # how often etcd is asked for injected faults
 GATE_QUORUM_S = 3.0       # longest a gated fault waits for the last rank to come to its gate
+TIER_POLL_S = 0.5         # how often a fault waiting for a tier commit lists that tier
+TierSteps = Callable[[str], list[int]]   # tier name -> this run's committed steps there
 
 
 class Deferred:
@@ -49,10 +53,14 @@ class Injector:
     running step N, its snapshots published: ``phalanx.runtime.worker.drill_hooks``), then
     the gate is released; so it hits exactly step N. A rank that never comes to the gate
     (dead, hung, a script without ``session.step()``) delays it at most ``GATE_QUORUM_S``
-    after the first rank arrived, or until some rank is past N."""
+    after the first rank arrived, or until some rank is past N. A fault with
+    ``after_tier_commit`` then also waits (its ranks still held) until the tier lists that
+    step committed for this run, at most its ``within_s``; its ``drill_fault`` event
+    carries ``precondition`` (met, waited_s), and an unmet one is an event of its own."""
 
     def __init__(self, scenario: Scenario | None, env: FaultEnv, membership: Membership,
-                 deferred: Deferred, clock: Callable[[], float] = time.monotonic) -> None:
+                 deferred: Deferred, clock: Callable[[], float] = time.monotonic,
+                 tier_steps: TierSteps | None = None) -> None:
         self._pending = list(scenario.faults) if scenario else []
         self._when = {spec.index: _due_step(spec) for spec in self._pending}
         self._gates = set(gate_steps(scenario))
@@ -65,6 +73,11 @@ class Injector:
         self._first_step_at: float | None = None
         self._injected = 0
         self._next_inject_poll = 0.0
+        self._tier_steps = tier_steps or self._run_tier_steps
+        self._tiers: dict[str, Any] = {}
+        self._waiting_since: dict[int, float] = {}
+        self._next_tier_check: dict[int, float] = {}
+        self._preconditions: dict[int, dict[str, Any]] = {}
         self.fired: list[dict[str, Any]] = []
 
     def poll(self, members: Mapping[str, MemberRecord]) -> None:
@@ -73,7 +86,8 @@ class Injector:
         now = self._clock()
         if self._first_step_at is None and furthest >= 1:
             self._first_step_at = now
-        for spec in [s for s in self._pending if self._due(s, members, furthest, now)]:
+        for spec in [s for s in self._pending
+                     if self._due(s, members, furthest, now) and self._ready(s, now)]:
             self._pending.remove(spec)
             if catalogue()[spec.kind].ends_launcher:   # no release after it: release first
                 self._release_gates(ended=True)
@@ -99,6 +113,47 @@ class Injector:
             return True
         return now - self._held_since.setdefault(step, now) >= GATE_QUORUM_S
 
+    def _ready(self, spec: FaultSpec, now: float) -> bool:
+        """A due fault's ``after_tier_commit``: met (the tier lists the step, asked every
+        TIER_POLL_S), or waited ``within_s`` (it fires anyway, the unmet wait an event)."""
+        pre = spec.after_tier_commit
+        if pre is None or spec.index in self._preconditions:
+            return True
+        waited = now - self._waiting_since.setdefault(spec.index, now)
+        if now >= self._next_tier_check.get(spec.index, now):
+            self._next_tier_check[spec.index] = now + TIER_POLL_S
+            if pre.step in self._listed(pre):
+                self._preconditions[spec.index] = _precondition(pre, True, waited)
+                return True
+        if waited < pre.within_s:
+            return False
+        self._preconditions[spec.index] = _precondition(pre, False, waited)
+        self._env.emit("drill_precondition_unmet", index=spec.index, kind=spec.kind,
+                       **self._preconditions[spec.index])
+        log.warning("event=drill_precondition_unmet kind=%s tier=%s step=%d waited_s=%.1f",
+                    spec.kind, pre.tier, pre.step, waited)
+        return True
+
+    def _listed(self, pre: TierPrecondition) -> list[int]:
+        try:
+            return self._tier_steps(pre.tier)
+        except (ConfigError, TierUnavailable, OSError) as exc:   # unmet: asked again
+            log.info("event=drill_tier_list_failed tier=%s error=%s", pre.tier, exc)
+            return []
+
+    def _run_tier_steps(self, name: str) -> list[int]:
+        """This run's committed steps in tier ``name``, as its keepers' tiers see them."""
+        tier = self._tiers.get(name)
+        if tier is None:
+            cfg = self._env.config()
+            if not getattr(cfg.tiers, name).enabled:
+                raise ConfigError(f"tiers.{name}.enabled", "is false: the drill waits for a "
+                                  "step that tier never gets", f"enable tiers.{name}")
+            run_dir = self._env.run_dir
+            tier = self._tiers[name] = open_tier(cfg, name, run_dir=run_dir,
+                                                 run_id=run_id_of(run_dir))
+        return list(tier.committed_steps())
+
     def _release_gates(self, ended: bool = False) -> None:
         """Put the key of every gate whose faults all fired (``ended``: every gate, the
         launcher is about to end); a put etcd refused is tried again next poll."""
@@ -120,6 +175,8 @@ class Injector:
                                   "family": mechanism.family, "target": spec.target_text(),
                                   "trigger": spec.trigger_text(), "step": step,
                                   "origin": origin, "params": dict(spec.params)}
+        if spec.index in self._preconditions:
+            record["precondition"] = dict(self._preconditions[spec.index])
         if mechanism.ends_launcher:      # its event first: this process ends in fire()
             self._env.emit("drill_fault", **record, details={"pid": os.getpid()})
         try:
@@ -164,6 +221,11 @@ def gate_steps(scenario: Scenario | None) -> tuple[int, ...]:
     if scenario is None:
         return ()
     return tuple(sorted({s for s in map(_due_step, scenario.faults) if s is not None}))
+
+
+def _precondition(pre: TierPrecondition, met: bool, waited_s: float) -> dict[str, Any]:
+    return {"tier": pre.tier, "step": pre.step, "met": met, "waited_s": round(waited_s, 3),
+            "within_s": pre.within_s}
 
 
 def _due_step(spec: FaultSpec) -> int | None:

@@ -13,11 +13,15 @@ import yaml
 
 from phalanx.configs.errors import ConfigError
 from phalanx.configs.introspect import did_you_mean
-from phalanx.launcher.drills.catalogue import FaultSpec, Mechanism, catalogue
+from phalanx.launcher.drills.catalogue import FaultSpec, Mechanism, TierPrecondition, catalogue
 
 TOP_KEYS = ("name", "description", "overrides", "needs", "faults", "expect")
 FAULT_KEYS = ("kind", "target", "trigger", "params")
-TRIGGER_KEYS = ("at_step", "at_time_s", "probability", "steps", "seed")
+TRIGGER_KEYS = ("at_step", "at_time_s", "probability", "steps", "seed", "after_tier_commit")
+PRECONDITION_KEYS = ("tier", "step", "within_s")
+PRECONDITION_TIERS = ("disk", "s3")
+# a held rank goes on after drill_hooks.GATE_WAIT_S (20 s); the fault must fire before
+MAX_PRECONDITION_WAIT_S = 15.0
 EXPECT_KEYS = ("outcome", "error_contains", "max_recovery_s", "max_lost_steps",
                "final_state", "recoveries", "restore_source", "detected", "events")
 NEEDS = ("s3", "standby", "nodes3")
@@ -167,7 +171,16 @@ def _trigger(raw: Any, key: str, source: str) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"{key}.at_step", f"{value!r} is not a step >= 0 (0: before "
                               "the first step completes)", "e.g. trigger: {at_step: 20}", source)
-        return {"at_step": value}
+        after = raw.get("after_tier_commit")
+        if after is None:
+            return {"at_step": value}
+        return {"at_step": value, "after_tier_commit": _precondition(
+            after, value, f"{key}.after_tier_commit", source)}
+    if "after_tier_commit" in raw:
+        raise ConfigError(f"{key}.after_tier_commit", f"is given with {chosen[0]}",
+                          "after_tier_commit holds a step fault only: use it with at_step, "
+                          "e.g. trigger: {at_step: 30, after_tier_commit: {tier: disk, step: 20}}",
+                          source)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key}.{chosen[0]}", f"{value!r} is not a number", example, source)
     if chosen[0] == "at_time_s":
@@ -185,6 +198,27 @@ def _trigger(raw: Any, key: str, source: str) -> dict[str, Any]:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"{key}.seed", f"{seed!r} is not an integer", "e.g. seed: 7", source)
     return {"probability": float(value), "steps": (steps[0], steps[1]), "seed": seed}
+
+
+def _precondition(raw: Any, at_step: int, key: str, source: str) -> TierPrecondition:
+    """``trigger.after_tier_commit``: {tier: disk|s3, step: S <= at_step, within_s: 15}."""
+    example = "e.g. after_tier_commit: {tier: disk, step: 20, within_s: 15}"
+    if not isinstance(raw, dict):
+        raise ConfigError(key, f"{raw!r} is not a mapping", example, source)
+    _known(raw, PRECONDITION_KEYS, key + ".", source)
+    tier, step = raw.get("tier"), raw.get("step")
+    within = raw.get("within_s", MAX_PRECONDITION_WAIT_S)
+    if tier not in PRECONDITION_TIERS:
+        raise ConfigError(f"{key}.tier", f"{tier!r} is not a tier",
+                          f"use one of {list(PRECONDITION_TIERS)}; {example}", source)
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= at_step:
+        raise ConfigError(f"{key}.step", f"{step!r} is not a step in [0, at_step={at_step}]",
+                          f"name the tier checkpoint the fault needs; {example}", source)
+    if not _number(within) or not 0 < within <= MAX_PRECONDITION_WAIT_S:
+        raise ConfigError(f"{key}.within_s", f"{within!r} is not a number of seconds in "
+                          f"(0, {MAX_PRECONDITION_WAIT_S:g}]", "bound the wait below the 20 s "
+                          f"a rank stays held at a drill gate; {example}", source)
+    return TierPrecondition(str(tier), step, float(within))
 
 
 def _params(raw: Any, mech: Mechanism, key: str, source: str) -> dict[str, Any]:

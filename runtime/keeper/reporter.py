@@ -91,8 +91,14 @@ class KeeperReporter:
             self._membership.put_leased(KEEPERS + self._node, data)
             self._last = data
         if self._on_commit is not None:
-            commit = self._membership.get(COMMIT_KEY)
-            self._on_commit(committed_from(commit.value if commit else None))
+            self._on_commit(read_commit_point(self._membership))
+
+
+def read_commit_point(membership: Membership) -> int:
+    """The job's committed step as ``commit`` holds it now (-1: none); one etcd read.
+    Raises MembershipUnavailable."""
+    commit = membership.get(COMMIT_KEY)
+    return committed_from(commit.value if commit else None)
 
 
 def report_from_keeper(node: str, address: tuple[str, int], holdings: dict[int, dict[str, Any]],

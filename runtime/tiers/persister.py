@@ -13,12 +13,16 @@ once every rank of the job is there, written by whichever node finishes last:
                               COMMIT               ◀──    commit_step(21, all) succeeds
     retry commit_step    ──▶  COMMIT (rewritten, idempotent) → apply_retention(keep)
 
-With ``committed`` (a view of the job's commit point: every rank held by f+1 keepers
-and, with ``detection.compare_replicas``, digest-agreed) a step's marker waits until the
-commit point reaches it, so a tier never commits a step the job has not. The launched
-keepers do not pass it yet: the commit point reaches a keeper a heartbeat or more after
-the step (the tier_fallback drill's checkpoint would not be committed when its fault
-fires). Tiers
+With ``committed`` (the keeper's view of the job's commit point: every rank held by f+1
+keepers and, with ``detection.compare_replicas``, digest-agreed) a step's marker waits until
+the commit point reaches it, so a tier never commits a step the job has not. The launched
+keepers pass it. The keeper's view lags (it reads ``commit`` at its heartbeat), so while a
+marker waits the persister asks ``read_committed`` (one etcd read of ``commit``) itself, at
+most every ``refresh_s``: per node, only while gated, never per step x rank. When a job
+ends the launcher writes the final commit point before closing the keepers; ``close``
+reads it once more and writes the markers it allows (waiting up to ``settle_s`` for other
+nodes' ranks), so a finished job's last checkpoint committed in memory is committed in
+the tier too. Tiers
 bound to a run (``run_identity``) commit and delete only that run's steps; at start the
 persister removes its ranks' writes that a crash cut short.
 """
@@ -95,7 +99,8 @@ class TierPersister:
     longer held, with a bad checksum or whose copy was preempted emits ``tier_skipped``
     (``rank``, ``cause``, and the bad ``tensor``).
     ``on_event`` (called from the persister thread; must not block) also gets
-    ``tier_persisted``, ``tier_committed``, ``tier_commit_abandoned``, ``tier_retention``
+    ``tier_persisted``, ``tier_committed`` (with ``commit``, the job's commit point it
+    passed, when gated), ``tier_commit_abandoned``, ``tier_retention``
     and ``persister_error`` dicts.
     """
 
@@ -106,12 +111,24 @@ class TierPersister:
                  join_timeout_s: float = 30.0,
                  wall_clock: Callable[[], float] = time.time,
                  may_write: Callable[[], bool] | None = None,
-                 committed: Callable[[], int] | None = None) -> None:
+                 committed: Callable[[], int] | None = None,
+                 read_committed: Callable[[], int] | None = None,
+                 refresh_s: float = 0.25, settle_s: float = 0.0) -> None:
         """Raises ValueError for bad tiers or ranks. Does no I/O. ``may_write``: asked
         before each round of writes (a fenced keeper must write nothing); ``committed``:
-        the job's commit point, which a step's marker waits for (None: no wait)."""
+        the job's commit point, which a step's marker waits for (None: no wait);
+        ``read_committed``: a fresh read of it, asked (persister thread) at most every
+        ``refresh_s`` while a marker waits, and once more at close; ``settle_s``: how
+        long ``close`` lets a marker the commit point allows wait for other nodes' ranks."""
         self._may_write = may_write
         self._committed = committed
+        self._read_committed = read_committed
+        self._fresh_commit = -1
+        self._next_refresh = 0.0
+        if refresh_s <= 0 or settle_s < 0:
+            raise ValueError(f"refresh_s {refresh_s} must be positive, settle_s {settle_s} "
+                             "non-negative")
+        self._refresh_s, self._settle_s = refresh_s, settle_s
         self._world = sorted(set(int(r) for r in world_ranks))
         self.set_local_ranks(local_ranks)
         if not self._local or not set(self._local) <= set(self._world):
@@ -156,8 +173,9 @@ class TierPersister:
         return self
 
     def close(self) -> None:
-        """Stop after the rank being written and join the thread (up to join_timeout_s;
-        a tier call still blocked after that is left to its own timeouts). Idempotent."""
+        """Stop after the rank being written, write the markers the final commit point
+        allows (``settle_s``), and join the thread (up to join_timeout_s; a tier call still
+        blocked after that is left to its own timeouts). Idempotent."""
         self._stop.set()
         thread = self._thread
         if thread is None or thread is threading.current_thread():
@@ -203,12 +221,42 @@ class TierPersister:
         """Thread boundary: every failure becomes an event, never an exception."""
         self._clean_abandoned()
         while not self._stop.is_set():
-            try:
-                self._tick()
-            except Exception as exc:  # noqa: BLE001 - thread boundary: report, keep going
-                log.exception("persister_error node=%s", self._keeper.node)
-                self._emit({"event": "persister_error", "error": f"{type(exc).__name__}: {exc}"})
+            self._guarded(self._tick)
             self._stop.wait(self._poll_s)
+        self._guarded(self._settle)
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - thread boundary: report, keep going
+            log.exception("persister_error node=%s", self._keeper.node)
+            self._emit({"event": "persister_error", "error": f"{type(exc).__name__}: {exc}"})
+
+    def _settle(self) -> None:
+        """At close: one fresh read of the commit point (the launcher writes the final one
+        before the keepers close), then the markers at or below it are written, a step
+        whose other ranks another node still writes waiting up to ``settle_s``; a marker
+        past the final commit point is left uncommitted (logged)."""
+        if self._settle_s <= 0 or (self._may_write is not None and not self._may_write()):
+            return
+        deadline = time.monotonic() + self._settle_s
+        self._refresh(force=True)
+        while True:
+            for state in self._states:
+                state.next_commit_try = 0.0
+                self._try_commit(state)
+            if not self._completing() or time.monotonic() >= deadline:
+                break
+            time.sleep(self._poll_s)
+        for state in self._states:
+            if state.pending is not None or state.gated:
+                log.info("persister.unsettled node=%s tier=%s pending=%s gated=%s commit=%d",
+                         self._keeper.node, state.tier.name, state.pending, state.gated,
+                         self._commit_point())
+
+    def _completing(self) -> bool:
+        """A pending marker the commit point allows waits for other nodes' ranks."""
+        return any(s.pending is not None and not self._gated(s.pending) for s in self._states)
 
     def _clean_abandoned(self) -> None:
         """Remove this node's ranks' writes a crash cut short (this run's, uncommitted)."""
@@ -228,6 +276,7 @@ class TierPersister:
     def _tick(self) -> None:
         if self._may_write is not None and not self._may_write():
             return
+        self._refresh()
         ready = self._ready_steps(self._keeper.holdings())
         for state in self._states:
             if self._stop.is_set():
@@ -363,7 +412,7 @@ class TierPersister:
                        logging.WARNING)
             return
         state.pending = None
-        self._emit({"event": "tier_committed", "tier": name, "step": step})
+        self._emit({"event": "tier_committed", "tier": name, "step": step, **self._seen()})
         if self._retains:
             self._retain(state, step)
         with self._lock:
@@ -371,7 +420,30 @@ class TierPersister:
 
     def _gated(self, step: int) -> bool:
         """Whether ``step`` is past the job's commit point (its marker must wait)."""
-        return self._committed is not None and step > self._committed()
+        return self._committed is not None and step > self._commit_point()
+
+    def _seen(self) -> dict[str, int]:
+        """A tier_committed event's ``commit``: the job's commit point the marker passed."""
+        return {} if self._committed is None else {"commit": self._commit_point()}
+
+    def _commit_point(self) -> int:
+        if self._committed is None:
+            return -1
+        return max(self._committed(), self._fresh_commit)
+
+    def _refresh(self, force: bool = False) -> None:
+        """Read the commit point afresh (``read_committed``) while a marker waits for it,
+        at most every ``refresh_s`` (``force``: now): the keeper's view lags a heartbeat."""
+        if self._read_committed is None or self._committed is None:
+            return
+        now = time.monotonic()
+        if not force and now < self._next_refresh:
+            return
+        if not any(s.gated or (s.pending is not None and self._gated(s.pending))
+                   for s in self._states):
+            return
+        self._next_refresh = now + self._refresh_s
+        self._fresh_commit = max(self._fresh_commit, int(self._read_committed()))
 
     def _commit_gated(self, state: _TierState) -> None:
         """Markers of superseded steps that only waited for the job's commit point: each
@@ -386,7 +458,8 @@ class TierPersister:
                             "step": step, "reason": f"{type(exc).__name__}: {exc}"},
                            logging.WARNING)
                 continue
-            self._emit({"event": "tier_committed", "tier": state.tier.name, "step": step})
+            self._emit({"event": "tier_committed", "tier": state.tier.name, "step": step,
+                        **self._seen()})
             if self._retains:
                 self._retain(state, step)
             with self._lock:

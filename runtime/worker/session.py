@@ -48,6 +48,8 @@ from phalanx.runtime.worker.drill_hooks import (gate_reason, hold_at_gate, raise
                                                write_memory_map)
 from phalanx.runtime.group.process_group import connect_store_at
 from phalanx.runtime.worker.rejoin import restore_rank
+from phalanx.runtime.worker.restore_progress import (drill_slow_restore_s, reporting,
+                                                     wait_restored)
 from phalanx.runtime.consistency.digest import REPLICAS_EXTRA
 from phalanx.runtime.consistency.repair import split_sources, try_repair
 from phalanx.runtime.consistency.verify import ReplicaVerifier, per_rank_tensors, replicated_names
@@ -185,15 +187,11 @@ class Session:
             self._start_snapshots()
         if ctx.drills:
             raise_on_sigusr1()
-        restore = ctx.extra.get("restore")
-        if isinstance(restore, dict):
-            self._apply_restore(int(restore["step"]),
-                                [source_from_json(s) for s in restore["sources"]], ctx.generation)
-            self._awaiting_first_step = True
-        elif ctx.generation > 0:    # started afresh by a recovery (nothing was committed)
-            self._awaiting_first_step = True
+        if isinstance(ctx.extra.get("restore"), dict) or ctx.generation > 0:
+            self._awaiting_first_step = True   # restored, or started afresh by a recovery
         if not ctx.standalone_run:
             # the process's collective: the script's init_process_group() may have formed it
+            # (before this restore, too: either way the group forms before the restore)
             self._collective = process_collective(ctx)
             try:
                 if self._collective.generation < 0:
@@ -202,8 +200,10 @@ class Session:
             except CollectiveAborted as exc:  # e.g. a second node died while this rank started
                 if self._watcher is None:
                     raise
-                self._recover(str(exc))
+                self._recover(str(exc))       # restored as the next plan says
             self._attach_default_group()
+        if self.generation == ctx.generation:
+            self._restore_at_start()
         if self._membership is not None:
             self._membership.join(self._record(), ctx.lease_ttl_s)
             self._heartbeat = Heartbeat(
@@ -617,7 +617,9 @@ class Session:
             raise Fenced(f"rank {self.rank} of generation {plan.generation} belongs to "
                          f"{assignment.worker if assignment else 'nobody'}, not "
                          f"{self.context.worker_id}")
-        self._apply_restore(plan.restore_step, assignment.sources, plan.generation)
+        with reporting(self._membership, plan.generation, self.rank, self.context.worker_id,
+                       self.context.heartbeat_s):
+            self._apply_restore(plan.restore_step, assignment.sources, plan.generation)
         if plan.store is not None and plan.store != self._store_address:
             self._store_address = plan.store      # a standby coordinator took over
             host, port = plan.store
@@ -631,11 +633,37 @@ class Session:
             self._recover(str(exc))
             return
         self.generation = plan.generation
+        self._await_restored(plan.generation, plan.world_size)   # e.g. a spare restoring
         self._collective_error = None
         self._awaiting_first_step = True
         self.recoveries += 1
         log.warning("event=rank_rejoined rank=%d generation=%d restore_step=%d seconds=%.3f",
                     self.rank, plan.generation, plan.restore_step, time.perf_counter() - started)
+
+    def _restore_at_start(self) -> None:
+        """The restore the launcher gave this rank (a recovery's spare or restarted worker,
+        or ``--resume``), once its group formed: reported while it runs, and in a
+        recovery's generation awaited by every rank before the first collective."""
+        ctx = self.context
+        restore = ctx.extra.get("restore")
+        if isinstance(restore, dict):
+            with reporting(self._membership if ctx.generation > 0 else None, ctx.generation,
+                           ctx.rank, ctx.worker_id, ctx.heartbeat_s,
+                           drill_slow_restore_s(ctx.drills)):
+                self._apply_restore(int(restore["step"]),
+                                    [source_from_json(s) for s in restore["sources"]],
+                                    ctx.generation)
+        self._await_restored(ctx.generation, ctx.world_size)
+
+    def _await_restored(self, generation: int, world_size: int) -> None:
+        """Once a recovery's group formed, before its first collective: wait for the ranks
+        still restoring (``phalanx.runtime.worker.restore_progress``)."""
+        restored = self._restored or {}
+        if generation > 0 and restored.get("generation") == generation:
+            wait_restored(self._membership, generation, world_size, self.rank,
+                          group_timeout_s=self.context.group_timeout_s,
+                          heartbeat_s=self.context.heartbeat_s,
+                          should_abort=self._superseded(generation))
 
     def _apply_restore(self, step: int, sources: Sequence[RestoreSource],
                        generation: int) -> None:

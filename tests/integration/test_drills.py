@@ -44,7 +44,8 @@ def fired_at_their_step(report: dict) -> None:
     rank is held at N until the launcher fired it: ``runtime.worker.drill_hooks``)."""
     for fault in report["faults"]:
         if fault["trigger"].startswith("at step "):
-            assert fault["step"] == int(fault["trigger"].removeprefix("at step ")), fault
+            assert fault["step"] == int(fault["trigger"].removeprefix("at step ").split()[0]), \
+                fault
 
 
 def report_of(result: subprocess.CompletedProcess) -> dict:

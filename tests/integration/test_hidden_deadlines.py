@@ -9,15 +9,19 @@ killed after the other rank returned from its entrypoint fails the job at once w
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from phalanx.launcher.coordination.bounds import REJOIN_MARGIN_S
-from tests.integration.launching import launch
+from phalanx.runtime.worker.restore_progress import SLOW_RESTORE_ENV, restore_bound_s
+from tests.integration.launching import (LaunchResult, ROOT, gloo_reference, launch,
+                                         phalanx_command)
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
 GROUP_TIMEOUT_S = 6.0
 HEARTBEAT_S = 0.1
 SCENARIO = """name: kill_during_eval
@@ -74,3 +78,35 @@ def test_a_fault_after_a_rank_finished_fails_at_once_naming_it(tmp_path: Path) -
                      "".join(p.read_text() for p in (run / "logs").glob("rank_1_*")))
     assert died is not None
     assert failed[0]["time"] - float(died.group(1)) < 5.0
+
+
+SLOW_RESTORE_S = 12.0     # past the rejoin bound (group timeout 4 s + 5 s margin)
+
+
+def test_a_spare_restoring_longer_than_the_group_timeout_is_waited_for(
+        tmp_path: Path) -> None:
+    """A promoted spare whose restore takes 12 s (a drill's slow restore) with
+    ``recovery.group_timeout_s`` 4: it reports its restore while it runs, the survivor
+    waits for it and the coordinator extends the rejoin bound (event ``restore_slow``,
+    bounded by ``restore_bound_s``); the job recovers bit-identical. Before, the survivor's
+    group timed out and the job failed with ``GroupNotReformed`` 9 s after the plan."""
+    scenario = tmp_path / "kill.yaml"
+    scenario.write_text(SCENARIO.replace("fails", "completes"))
+    job = ("job.world_size=2", "spares.count=1", f"etcd.heartbeat_s={HEARTBEAT_S}",
+           "detection.poll_interval_s=0.05", "recovery.group_timeout_s=4", "job.args.steps=12",
+           "job.args.sleep_per_step_s=0.05")
+    reference = gloo_reference("configs/demo.yaml", *job, run_root=tmp_path / "ref")
+    proc = subprocess.run(phalanx_command("configs/demo.yaml", *job,
+                                          f"drills.scenario={scenario}",
+                                          run_root=tmp_path / "runs"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=140,
+                          env={**os.environ, "COLUMNS": "200",
+                               SLOW_RESTORE_ENV: str(SLOW_RESTORE_S)})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    run = next(p for p in (tmp_path / "runs").iterdir() if (p / "events.jsonl").is_file())
+    events = [json.loads(line) for line in (run / "events.jsonl").open()]
+    [slow] = [e for e in events if e["event"] == "restore_slow"]
+    [recovered] = [e for e in events if e["event"] == "recovered"]
+    assert list(slow["ranks"]) == ["1"] and slow["bound_s"] == restore_bound_s(4.0)
+    assert recovered["fault_to_first_step_s"] >= SLOW_RESTORE_S, recovered
+    assert LaunchResult(0, proc.stdout, proc.stderr).hashes == reference.hashes

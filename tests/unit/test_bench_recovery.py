@@ -50,8 +50,10 @@ def test_quick_bench_recovers_a_killed_worker(tmp_path: Path) -> None:
     assert 2 * run["parameter_bytes"] <= run["snapshot_bytes"] <= 2 * run["parameter_bytes"] + (1 << 20)
     assert any(r["worker"].startswith("rank_1_spare") for r in run["restores"])
     [spare] = [r for r in run["replacements"] if r["worker"].startswith("rank_1_spare")]
-    assert 0 < spare["run_at"] <= spare["session_start_at"] <= spare["restored_at"] \
-        <= spare["group_formed_at"] < run["kill_to_first_step_s"] + 1
+    # a promoted spare joins the new group first, then restores (survivors wait for its
+    # restore before the first collective: a slow restore is not a failed re-form)
+    assert 0 < spare["run_at"] <= spare["session_start_at"] <= spare["group_formed_at"] \
+        <= spare["restored_at"] < run["kill_to_first_step_s"] + 1
     assert run["spurious_faults"] == []
 
     [cell] = report["cells"]
