@@ -42,6 +42,7 @@ class Collective:
         self._timeout_s = timeout_s
         self._group: dist.ProcessGroup | None = None
         self._parked: list[dist.ProcessGroup] = []
+        self._reapers: list[threading.Thread] = []
         self.generation = -1
         # set by the default group when one of its collectives failed in this generation;
         # cleared when the next generation's group forms
@@ -130,8 +131,22 @@ class Collective:
             # finalization (pthread_exit inside a noexcept C++ frame) and the process
             # aborts with SIGABRT ("terminate called without an active exception"):
             # measured on 2 processes exiting right after a re-form, 4 runs of 6 aborted.
-            threading.Thread(target=_reap, args=(parked, self.generation), daemon=False,
-                             name=f"phalanx-group-reaper-gen{self.generation}").start()
+            reaper = threading.Thread(target=_reap, args=(parked, self.generation),
+                                      daemon=False,
+                                      name=f"phalanx-group-reaper-gen{self.generation}")
+            self._reapers = [t for t in self._reapers if t.is_alive()] + [reaper]
+            reaper.start()
+
+    def wait_released(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until every abandoned group is torn down; True when
+        none is left. A rank calls it before it reports itself finished: its peers'
+        processes then outlive its teardowns (a peer that exits while this process is in
+        a group's destructor can abort it, "Resource deadlock avoided", 2 of 8 runs)."""
+        deadline = time.monotonic() + timeout_s
+        for reaper in self._reapers:
+            reaper.join(max(0.0, deadline - time.monotonic()))
+        self._reapers = [t for t in self._reapers if t.is_alive()]
+        return not self._reapers
 
     @property
     def parked(self) -> int:

@@ -291,12 +291,18 @@ class Session:
             obj.register_forward_pre_hook(lambda *_: snapshotter.wait_for_copy())
 
     def close(self) -> None:
-        """Publish the last snapshot, leave membership and stop the heartbeat; groups are
-        dropped with the process (never destroyed: that can block on a dead peer)."""
+        """Publish the last snapshot, wait for abandoned groups' teardown, leave membership
+        and stop the heartbeat; the current group is dropped with the process (never
+        destroyed here: that can block on a dead peer)."""
         self._stop.set()
         self._wake.set()
         if self._collective is not None:   # nothing rolls back after the session
             self._collective.absorb_faults = False
+            # torn down before "finished": no peer exits (the launcher ends the job once
+            # every rank finished) while this process is in a group's destructor
+            if not self._collective.wait_released(self.context.group_timeout_s):
+                log.warning("event=group_teardown_slow rank=%d seconds=%.1f", self.rank,
+                            self.context.group_timeout_s)
         if self._started:
             _final["state_digest"] = state_digest(self._objects)
         self._grad_guard.disarm()
