@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
+import signal
 import sys
 import traceback
 from typing import Sequence
@@ -77,6 +79,8 @@ def _add_resume(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:   # the `phalanx` process: `kill -USR1 <pid>` prints every thread's stack
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     # the process's logging as it was once main returns (main also runs in-process: tests)
     with logging_configured(args.log_format, logging.INFO if args.verbose else logging.WARNING):
         return _command(args, Console(stderr=True))

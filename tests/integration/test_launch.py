@@ -156,7 +156,15 @@ def test_interrupt_stops_every_service(tmp_path: Path, footprint: Footprint) -> 
         # interrupted while every rank trains (past its first snapshots), not at a fixed time
         wait_training(tmp_path, past_step=10, proc=proc)
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        try:
+            _, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:   # where it is stuck: every thread's stack
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(3)
+            proc.kill()
+            _, stderr = proc.communicate()
+            pytest.fail(f"the launcher did not stop within 60 s of SIGINT; its stacks and "
+                        f"output:\n{stderr[-12000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
