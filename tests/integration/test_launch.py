@@ -77,8 +77,10 @@ def kill_raylet_once_the_job_starts(run_root: Path, proc: subprocess.Popen,
 
 
 # world 2 on 2 nodes (a sum of two gradients is exact in any order, so one process computes
-# the same bits), snapshots every 4 steps, a commit written every 5 committed steps
-STEADY = ("job.world_size=2", "job.args.steps=60", "job.args.sleep_per_step_s=0.04",
+# the same bits), snapshots every 4 steps, a commit written every 5 committed steps; 4.8 s
+# of steps: the commit reaches the workers 1-2 s after a step (keeper report, launcher,
+# keeper read-back at their 0.5 s heartbeats), so a 2.4 s run heard none in 3 of 4 runs
+STEADY = ("job.world_size=2", "job.args.steps=60", "job.args.sleep_per_step_s=0.08",
           "spares.count=0", "snapshot.every_steps=4", "replication.commit_every_steps=5",
           "tiers.disk.enabled=false")
 
