@@ -38,18 +38,26 @@ def _set_commit(membership: EtcdMembership, step: int) -> None:
     membership.put(COMMIT_KEY, commit_value(step, time.time()))
 
 
-@pytest.mark.timeout(60)
-def test_markers_wait_for_the_commit_point_and_follow_it_promptly(
-        membership: EtcdMembership, tmp_path: Path) -> None:
+def _gated_node(membership: EtcdMembership, tmp_path: Path, refresh_s: float
+                ) -> tuple[DiskTier, Node, Events, TierPersister]:
+    """A real keeper with a disk tier whose persister is gated on ``commit`` in etcd (the
+    Node's own persister has no gate: it is replaced), reading it every ``refresh_s``."""
     tier = DiskTier(tmp_path / "tier", "gate", run_id="run-1")
     node = Node("n0", f"gate{time.monotonic_ns()}", WORLD, [(tier, 5, 10)], world=WORLD)
-    node.persister.close()               # the Node's own persister has no gate: replace it
+    node.persister.close()
     events = Events()
     persister = TierPersister(node.keeper, [(tier, 5, 10)], WORLD, WORLD, poll_s=0.02,
                               on_event=events, commit_retry_s=0.02,
                               committed=node.keeper.committed_step,
                               read_committed=lambda: read_commit_point(membership),
-                              refresh_s=0.1, settle_s=5.0).start()
+                              refresh_s=refresh_s, settle_s=5.0).start()
+    return tier, node, events, persister
+
+
+@pytest.mark.timeout(60)
+def test_markers_wait_for_the_commit_point_and_follow_it_promptly(
+        membership: EtcdMembership, tmp_path: Path) -> None:
+    tier, node, events, persister = _gated_node(membership, tmp_path, refresh_s=0.1)
     try:
         node.publish(5)
         _wait(lambda: persister.last_persisted().get("disk") == 5, "step 5 persisted")
@@ -72,15 +80,7 @@ def test_markers_wait_for_the_commit_point_and_follow_it_promptly(
 @pytest.mark.timeout(60)
 def test_closing_writes_the_marker_the_final_commit_point_allows(
         membership: EtcdMembership, tmp_path: Path) -> None:
-    tier = DiskTier(tmp_path / "tier", "gate", run_id="run-1")
-    node = Node("n0", f"gate{time.monotonic_ns()}", WORLD, [(tier, 5, 10)], world=WORLD)
-    node.persister.close()
-    events = Events()
-    persister = TierPersister(node.keeper, [(tier, 5, 10)], WORLD, WORLD, poll_s=0.02,
-                              on_event=events, commit_retry_s=0.02,
-                              committed=node.keeper.committed_step,
-                              read_committed=lambda: read_commit_point(membership),
-                              refresh_s=30.0, settle_s=5.0).start()
+    tier, node, events, persister = _gated_node(membership, tmp_path, refresh_s=30.0)
     try:
         node.publish(5)                                  # the job's last checkpoint
         node.publish(6)                                  # and a step past it
