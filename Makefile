@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench bench-deps clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,16 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 	mkdir -p build/typecheck && ln -sfn ../.. build/typecheck/phalanx && $(VENV)/bin/mypy --explicit-package-bases -p phalanx.configs -p phalanx.runtime -p phalanx.recovery -p phalanx.spares -p phalanx.launcher -m phalanx
 
-bench: $(STAMP)
+# The bench's peers (torchft, for bench/vs_torchrun.py), kept out of `make install`/`make test`.
+BENCH_STAMP := $(VENV)/.phalanx-bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[bench]'
+	@touch $(BENCH_STAMP)
+
+bench-deps: $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) bench/snapshot.py
 	$(PY) bench/replication.py
 	$(PY) bench/recovery.py

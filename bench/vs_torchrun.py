@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""phalanx vs torchrun + DCP checkpoints: the same jobs, the same fault, side by side.
+"""phalanx vs torchrun + DCP checkpoints vs torchft: the same jobs, the same fault, side by side.
 
 For each job (``mlp``: ``examples/train_mlp.py`` as the demo runs it, a 50 ms step;
 ``transformer``: ``examples/train_transformer.py``, a small language model whose state
@@ -11,19 +11,27 @@ with Adam is ~270 MiB per rank) and each repeat, this runs:
 * ``dcp k=K`` / ``dcp async k=K`` for each K of ``--ks``: the same with
   ``torch.distributed.checkpoint`` ``save`` / ``async_save`` every K steps to local disk,
   resuming from the newest complete checkpoint after the restart;
-* ``phalanx``: ``phalanx launch`` with default settings (snapshots every step, one replica
-  on the other node, the disk tier every 50 steps) and one warm spare, 2 virtual nodes.
+* ``torchft``: torchft 0.2.0 (``bench/vs_torchft.py``): its Lighthouse, one replica group
+  per rank on its gloo process group, its DistributedDataParallel, Manager and
+  OptimizerWrapper; ``bench/torchft_run.py`` restarts the killed group, which heals from
+  the live one (``make bench-deps`` installs it; a missing torchft is a failed run);
+* ``phalanx``: ``phalanx launch`` with default settings (whatever ``snapshot`` defaults the
+  installed phalanx has) and one warm spare, 2 virtual nodes.
 
 The fault is the same everywhere: the bench itself SIGKILLs rank 1's process once that rank
 has completed step ``--fault-step`` (it watches each rank's per-step progress file). It
-measures, per run: total wall time; steady-state step time (rank 0's mean step over steps
-3 .. fault step, so periodic saves count) and its overhead vs ``torchrun`` without
-checkpoints; kill → first step completed by every rank after recovery; lost steps (the
-steps the ranks had completed at the kill minus the step training resumed from); bytes
-written to storage (DCP folders; phalanx's disk-tier writes); peak host memory (private
-memory of every process of the run plus the growth of /dev/shm, sampled every 0.2 s); the
-final parameter hash vs the fault-free ``torchrun`` run (the same arithmetic: phalanx's
-all-reduce is the same gloo all-reduce); goodput, the run's wall time broken down into
+measures, per run: total wall time; start-up (launch -> first step done by every rank),
+the warm-up step time (steps 1 .. 20% of the run), the steady-state step time (rank 0's
+mean step after the warm-up up to the fault, a multiple of 50 steps so periodic saves
+count) and the capture-window step time (the last 50 steps before the fault), each
+overhead vs ``torchrun`` without checkpoints (``bench/vs_torchrun_steps.py``); kill →
+first step completed by every rank after recovery; lost steps (the steps the ranks had
+completed at the kill minus the step training resumed from); bytes written to storage (DCP
+folders; phalanx's disk-tier writes); peak host memory (private memory of every process of
+the run plus the growth of /dev/shm, sampled every 0.2 s); the final parameter hash vs the
+fault-free ``torchrun`` run (the same arithmetic: phalanx's all-reduce is the same gloo
+all-reduce; torchft's fault-free run matches it too); torchft's degraded steps (committed
+without the killed group); goodput, the run's wall time broken down into
 start-up, productive steps, redone steps, recovery phases, save or snapshot stalls and
 shutdown (``bench/vs_torchrun_goodput.py``). Medians over the repeats.
 
@@ -32,7 +40,8 @@ and ``phalanx`` on the MLP job.
 
 Writes ``<out>/vs_torchrun.json``, ``vs_torchrun.md`` (tables, ratios phalanx/torchrun,
 targets) and ``vs_torchrun.png`` (recovery time, lost steps, overhead; recovery vs world
-size). ``--quick``: the MLP only, K=10, world 2, one repeat, 40 steps (a schema test).
+size). ``--quick``: the MLP only, K=10, world 2, one repeat, 32 steps (a schema test);
+``--systems`` picks some systems (the fault-free ``torchrun`` reference always runs).
 A failed run is recorded with its output tail and the bench goes on; a missed target never
 fails the process.
 """
@@ -52,6 +61,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -59,32 +70,36 @@ if str(ROOT) not in sys.path:
 from bench.common import machine_info, progress, write_json  # noqa: E402
 from bench.recovery import HASH_RE, launch, med, phases_of, read_events, tail  # noqa: E402
 from bench.run_watch import (Killer, MemorySampler, Tail, du, free_port,  # noqa: E402
-                             json_lines, process_tree, steady_step_s)
+                             json_lines, process_tree)
 from bench.vs_torchrun_report import (SCALING_SYSTEMS, markdown, ms, plot,  # noqa: E402
                                       ratios_of, scaling_of, summarize, targets_of)
 from bench.vs_torchrun_goodput import phalanx_goodput, torchrun_goodput  # noqa: E402
+from bench.vs_torchrun_steps import (WARMUP_SHARE, capture_window, regained,  # noqa: E402
+                                     steady_window, step_figures, warmup_end)
+from bench.vs_torchft import SETTINGS as TORCHFT_SETTINGS  # noqa: E402
+from bench.vs_torchft import differs_because, run_torchft  # noqa: E402
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TARGET_RANK = 1
-WINDOW = 50                # steady state: the last WINDOW steps before the fault
 SCALING_STEPS = (30, 24)   # steps, fault step of the scaling runs (only recovery counts)
 JOBS: dict[str, dict[str, Any]] = {
     # the demo's MLP: sleep_per_step_s stands for 50 ms of compute per step
-    # steps / fault_step: the mlp loses K/2 steps at the kill for K = 10 and 50 alike (the
-    # mean over random fault times), and its 50 steps before the fault hold one save per K;
-    # the transformer (0.4 s steps) is killed before DCP k=50's first save: it starts over
-    "mlp": {"entrypoint": "examples/train_mlp.py:main", "steps": 80, "fault_step": 74,
+    # steps / fault_step: long enough that the steady state (steps 74 .. 173, after a
+    # warm-up of 40) is measured apart from start-up; torchrun loses K/2 steps at the kill
+    # for K = 10 and 50 alike (the mean over random fault times: 4 and 24), and 26 steps
+    # follow the fault
+    "mlp": {"entrypoint": "examples/train_mlp.py:main", "steps": 200, "fault_step": 174,
             "args": {"batch_size": 32, "hidden": 64, "lr": 0.05, "seed": 0,
                      "sleep_per_step_s": 0.05}},
-    "transformer": {"entrypoint": "examples/train_transformer.py:main", "steps": 50,
-                    "fault_step": 44,
+    "transformer": {"entrypoint": "examples/train_transformer.py:main", "steps": 200,
+                    "fault_step": 174,
                     "args": {"batch_size": 2, "lr": 0.001, "seed": 0}},
 }
 
 
 @dataclass(frozen=True)
 class System:
-    key: str          # "torchrun", "dcp_k10", "dcp_async_k10", "phalanx"
+    key: str          # "torchrun", "dcp_k10", "dcp_async_k10", "torchft", "phalanx"
     label: str
     every: int = 0    # DCP save interval; 0 = none
     async_save: bool = False
@@ -94,11 +109,9 @@ class System:
     def is_phalanx(self) -> bool:
         return self.key == "phalanx"
 
-
-def window_of(fault_step: int) -> tuple[int, int]:
-    """Steps whose mean is the steady-state step time: the WINDOW before the fault step (a
-    multiple of every K, so each K's saves count alike), past the first 3 (allocation)."""
-    return max(3, fault_step - WINDOW), fault_step
+    @property
+    def is_torchft(self) -> bool:
+        return self.key == "torchft"
 
 
 def systems_for(ks: Sequence[int]) -> list[System]:
@@ -108,7 +121,8 @@ def systems_for(ks: Sequence[int]) -> list[System]:
     for k in ks:
         found.append(System(f"dcp_async_k{k}", f"torchrun + DCP async_save k={k}", every=k,
                             async_save=True))
-    return found + [System("phalanx", "phalanx (defaults, 1 warm spare)")]
+    return found + [System("torchft", "torchft 0.2.0 (Lighthouse, heal from live peer)"),
+                    System("phalanx", "phalanx (defaults, 1 warm spare)")]
 
 
 @dataclass
@@ -123,8 +137,8 @@ class Run:
     result: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def window(self) -> tuple[int, int]:
-        return window_of(self.fault_step)
+    def target(self) -> int:
+        return TARGET_RANK
 
     @property
     def name(self) -> str:
@@ -180,9 +194,10 @@ def run_torchrun(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
                            "peak_host_memory_bytes": peak, "processes": sampler.processes,
                            "bytes_written": du(ckpt), "checkpoints": _checkpoints(ckpt)}
     rank0 = records[0]
-    out["steady_step_s"] = steady_step_s(
+    out.update(step_figures(   # the same windows in every run, faulted or not
         [(r["step"], r["t"]) for r in rank0 if r["event"] == "step" and r["attempt"] == 0],
-        *run.window)   # the same window in every run, faulted or not
+        [min((r["t"] for r in rs if r["event"] == "step" and r["attempt"] == 0), default=None)
+         for rs in records.values()], started, run.steps, run.fault_step))
     saves = [r["seconds"] for r in rank0 if r["event"] == "saved"]
     out["save_blocking_s"] = med(saves)
     done = [r for rs in records.values() for r in rs if r["event"] == "done"]
@@ -245,21 +260,6 @@ def _torchrun_recovery(out: dict[str, Any], killer: Killer,
                            "init_and_load": round(loaded - imported, 4),
                            "first_step": round(first_step - loaded, 4)}})
     return []
-
-
-def regained(steps: dict[int, list[tuple[int, float]]], kill: float,
-             reached: int | None) -> float | None:
-    """Seconds from the kill until every rank completed again the last step reached before
-    it (``steps``: per rank, (step, epoch end)): recovery plus recomputing lost steps."""
-    if not reached:
-        return None
-    ends = []
-    for found in steps.values():
-        again = [t for step, t in found if t > kill and step >= reached - 1]
-        if not again:
-            return None
-        ends.append(min(again))
-    return round(max(ends) - kill, 4)
 
 
 def _stop_torchrun(proc: subprocess.Popen) -> None:
@@ -337,17 +337,21 @@ def run_phalanx(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
     peak = sampler.stop()
     run_dir, events = read_events(root / "runs")
     hashes = {int(r): h for r, h in HASH_RE.findall(stdout)}
+    steps = {r: [(x["step"], x["t"]) for x in json_lines(Path(f"{live}.rank{r}.live"))]
+             for r in range(run.world)}
     rank0 = json_lines(Path(f"{live}.rank0.live"))
     out: dict[str, Any] = {
         "returncode": code, "wall_s": round(wall, 3), "peak_host_memory_bytes": peak,
         "processes": sampler.processes,
         "bytes_written": sum(int(e.get("bytes", 0)) for e in events
                              if e.get("event") == "tier_persisted"),
-        "steady_step_s": steady_step_s([(r["step"], r["t"]) for r in rank0], *run.window),
+        **step_figures(steps[0], [found[0][1] if found else None for found in steps.values()],
+                       started, run.steps, run.fault_step),
         "hash": hashes.get(0) if len(set(hashes.values())) == 1 else None,
         "ranks_agree": len(hashes) == run.world and len(set(hashes.values())) == 1,
         "steps_completed": max((r["step"] + 1 for r in rank0), default=0),
-        "run_dir": str(run_dir) if run_dir else None}
+        "run_dir": str(run_dir) if run_dir else None,
+        "snapshot_config": snapshot_config(run_dir)}
     errors = []
     if code is None:
         errors.append(f"timed out after {timeout_s + 90:.0f} s (stopped with SIGTERM)")
@@ -355,8 +359,6 @@ def run_phalanx(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
         errors.append(f"phalanx launch exited {code}")
     if not out["ranks_agree"]:
         errors.append(f"{len(hashes)} of {run.world} ranks printed one final hash")
-    steps = {r: [(x["step"], x["t"]) for x in json_lines(Path(f"{live}.rank{r}.live"))]
-             for r in range(run.world)}
     errors += _phalanx_recovery(out, killer, events, steps)
     out["goodput"] = phalanx_goodput(out["run_dir"], started, started + wall,
                                      (out.get("phases") or {}).get("notice"))
@@ -367,6 +369,17 @@ def run_phalanx(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
         out["error"] = "; ".join(errors)
         out["output_tail"] = tail(stderr) + "\n--- stdout ---\n" + tail(stdout, 800)
     return out
+
+
+def snapshot_config(run_dir: Path | None) -> dict[str, Any] | None:
+    """The ``snapshot`` section of the config the run used (its run directory's
+    config.yaml, defaults filled in), or None: the report says which settings it measured."""
+    try:
+        text = (run_dir / "config.yaml").read_text(encoding="utf-8") if run_dir else ""
+        section = yaml.safe_load(text).get("snapshot") if text else None
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return section if isinstance(section, dict) else None
 
 
 def _phalanx_recovery(out: dict[str, Any], killer: Killer, events: list[dict[str, Any]],
@@ -403,12 +416,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="repeats of each mlp cell")
     p.add_argument("--transformer-repeats", type=int, default=1)
     p.add_argument("--steps", type=int, default=None,
-                   help="steps of every job (default: mlp 80, transformer 50)")
+                   help="steps of every job (default 200: the first 20%% are warm-up, the "
+                   "steady state is measured after them)")
     p.add_argument("--fault-step", type=int, default=None,
-                   help="rank 1 is killed once it completed this step (default: mlp 74, "
-                   "transformer 44)")
+                   help="rank 1 is killed once it completed this step (default 174)")
+    p.add_argument("--systems", default="",
+                   help="comma-separated systems to run (torchrun, dcp_kK, dcp_async_kK, "
+                   "torchft, phalanx; default all); the torchrun reference always runs")
     p.add_argument("--worlds", default="2,4,8", help="world sizes of the scaling runs")
-    p.add_argument("--run-timeout", type=float, default=300.0)
+    p.add_argument("--run-timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--keep-runs", action="store_true", help="keep each run's folder")
     args = p.parse_args(argv)
@@ -420,6 +436,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"--jobs: unknown {unknown}; expected some of {sorted(JOBS)}")
     args.k_list = [int(k) for k in args.ks.split(",") if k]
+    known = [s.key for s in systems_for(args.k_list)]
+    args.system_list = [s for s in args.systems.split(",") if s] or known
+    if "torchrun" not in args.system_list:
+        args.system_list.insert(0, "torchrun")
+    if set(args.system_list) - set(known):
+        p.error(f"--systems: unknown {sorted(set(args.system_list) - set(known))}; "
+                f"expected some of {known}")
     args.world_list = [int(w) for w in args.worlds.split(",") if w]
     for job in args.job_list:
         steps, fault = steps_of(args, job)
@@ -438,16 +461,20 @@ def plan(args: argparse.Namespace) -> list[Run]:
     for job in args.job_list:
         repeats = args.repeats if job == "mlp" else args.transformer_repeats
         for repeat in range(repeats):   # interleaved: load drifts hit every system alike
-            for system in systems_for(args.k_list):
+            for system in chosen(args):
                 runs.append(Run(system, job, 2, *steps_of(args, job), repeat))
     if "mlp" in args.job_list:
-        scaling = [s for s in systems_for(args.k_list) if s.key in SCALING_SYSTEMS]
+        scaling = [s for s in chosen(args) if s.key in SCALING_SYSTEMS]
         for world in args.world_list:
             if world == 2:
                 continue   # the main runs are world 2
             for system in scaling:
                 runs.append(Run(system, "mlp", world, *SCALING_STEPS, 0, purpose="scaling"))
     return runs
+
+
+def chosen(args: argparse.Namespace) -> list[System]:
+    return [s for s in systems_for(args.k_list) if s.key in args.system_list]
 
 
 def state_mib(job: str) -> float | None:
@@ -469,14 +496,26 @@ def state_mib(job: str) -> float | None:
 
 def execute(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
     """One run's result; a run that raised is a failed run, not a failed bench."""
-    runner = run_phalanx if run.system.is_phalanx else run_torchrun
     try:
-        result = runner(run, work, timeout_s)
+        if run.system.is_torchft:
+            result = run_torchft(run, work, timeout_s, JOBS[run.job]["args"])
+        elif run.system.is_phalanx:
+            result = run_phalanx(run, work, timeout_s)
+        else:
+            result = run_torchrun(run, work, timeout_s)
     except Exception as exc:
         result = {"ok": False, "error": f"the bench failed on this run: {exc!r}"}
     return {"name": run.name, "system": run.system.key, "job": run.job, "world": run.world,
             "repeat": run.repeat, "purpose": run.purpose, "steps": run.steps,
             "fault_step": run.fault_step if run.system.faulted else None, **result}
+
+
+def job_meta(args: argparse.Namespace, job: str) -> dict[str, Any]:
+    steps, fault = steps_of(args, job)
+    return {**JOBS[job], "world": 2, "state_mib": state_mib(job), "steps": steps,
+            "fault_step": fault, "warmup_end": warmup_end(steps, fault),
+            "steady_window": list(steady_window(steps, fault)),
+            "capture_window": list(capture_window(fault))}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -509,18 +548,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in results:
         ref = references.get(r["job"]) if r["world"] == 2 else None
         r["identical_to_fault_free"] = r.get("hash") == ref if ref and r.get("hash") else None
-    summary = summarize(results, {s.key: s.label for s in systems_for(args.k_list)},
-                        references)
+        if r["system"] == "torchft":
+            r["differs_because"] = differs_because(r)
+    summary = summarize(results, {s.key: s.label for s in chosen(args)}, references)
     report: dict[str, Any] = {
         "bench": "vs_torchrun", "schema_version": SCHEMA_VERSION, "quick": args.quick,
         "machine": machine_info(), "started": started, "seconds": round(time.time() - started, 1),
-        "target_rank": TARGET_RANK, "window_steps": WINDOW, "ks": args.k_list,
-        "repeats": args.repeats,
+        "target_rank": TARGET_RANK, "warmup_share": WARMUP_SHARE, "ks": args.k_list,
+        "systems": args.system_list, "torchft": TORCHFT_SETTINGS, "repeats": args.repeats,
         "transformer_repeats": args.transformer_repeats, "worlds": args.world_list,
-        "jobs": {job: {**JOBS[job], "world": 2, "state_mib": state_mib(job),
-                       "steps": steps_of(args, job)[0], "fault_step": steps_of(args, job)[1],
-                       "window": list(window_of(steps_of(args, job)[1]))}
-                 for job in args.job_list},
+        "jobs": {job: job_meta(args, job) for job in args.job_list},
         "references": references, "runs": results, "summary": summary,
         "ratios": ratios_of(summary), "targets": targets_of(summary),
         "scaling": scaling_of(results)}

@@ -3,7 +3,8 @@ process started -> it exited), in ``phalanx.launcher.goodput``'s breakdown: phal
 from the run's ``summary.json`` (its launcher's window, widened by the process start-up
 before it and the teardown after it); torchrun runs from their per-rank progress records
 (start-up to the first step of every rank, the restart's phases, DCP saves as the snapshot
-stall, the lost steps redone, the exit after the last step)."""
+stall, the lost steps redone, the exit after the last step); torchft runs likewise, with
+their own recovery phases."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,6 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from phalanx.launcher.goodput import Goodput, Window, account
-
-TORCHRUN_PHASES = ("restart", "import", "init_and_load", "first_step")
 
 
 def phalanx_goodput(run_dir: str | None, started: float, ended: float,
@@ -54,8 +53,8 @@ def torchrun_goodput(records: Mapping[int, Sequence[Mapping[str, Any]]], started
     recovered = isinstance(result.get("killed_at"), (int, float)) and result.get("phases")
     if recovered:
         at = float(result["killed_at"])
-        for phase in TORCHRUN_PHASES:
-            seconds = float(result["phases"].get(phase) or 0.0)
+        for phase, value in result["phases"].items():   # in order (torchft has its own)
+            seconds = float(value or 0.0)
             windows.append(Window("recovery", at, at + seconds, phase))
             at += seconds
     rank0 = records.get(0, [])

@@ -1,5 +1,6 @@
-"""The report of ``bench/vs_torchrun.py``: medians per job and system, ratios
-phalanx/torchrun, targets, recovery vs world size, a markdown summary and a PNG."""
+"""The report of ``bench/vs_torchrun.py``: medians per job and system (start-up apart from
+the steady state), ratios phalanx/peer, targets, recovery vs world size, a markdown summary
+and a PNG."""
 from __future__ import annotations
 
 import json
@@ -9,16 +10,20 @@ from typing import Any
 from bench.common import markdown_table, progress, verdict
 from bench.recovery import med
 
-METRICS = ("wall_s", "steady_step_s", "kill_to_first_step_s", "kill_to_regained_s",
-           "lost_steps", "bytes_written", "peak_host_memory_bytes")
+METRICS = ("wall_s", "startup_s", "warmup_step_s", "steady_step_s", "window_step_s",
+           "kill_to_first_step_s", "kill_to_regained_s", "lost_steps", "degraded_steps",
+           "bytes_written", "peak_host_memory_bytes")
+OVERHEADS = {"overhead": "steady_step_s", "window_overhead": "window_step_s",
+             "warmup_overhead": "warmup_step_s"}   # each vs torchrun's same figure
 SCALING_SYSTEMS = ("dcp_k10", "phalanx")
 
 
 def summarize(runs: list[dict[str, Any]], labels: dict[str, str],
               references: dict[str, str]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per job and system (world 2 runs): medians of every metric over the ok runs,
-    whether every ok run ended with the fault-free parameters, and the steady-state
-    overhead vs ``torchrun`` without checkpoints."""
+    whether every ok run ended with the fault-free parameters (and torchft's reason when
+    not), and the warm-up, steady-state and capture-window overheads vs ``torchrun``
+    without checkpoints."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     ok_runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for run in runs:
@@ -38,13 +43,16 @@ def summarize(runs: list[dict[str, Any]], labels: dict[str, str],
             ref = references.get(job)
             cell["identical_to_fault_free"] = (all(r.get("hash") == ref for r in ok)
                                                if ok and ref else None)
+            cell["differs_because"] = next((r["differs_because"] for r in ok
+                                            if r.get("differs_because")), None)
             cell["goodput"] = _median_goodput(ok)
             cell["effective"] = cell["goodput"]["effective"] if cell["goodput"] else None
-        baseline = cells.get("torchrun", {}).get("steady_step_s")
-        for cell in cells.values():
-            step = cell.get("steady_step_s")
-            cell["overhead"] = (round(step / baseline - 1, 4)
-                                if step is not None and baseline else None)
+        for name, metric in OVERHEADS.items():
+            baseline = cells.get("torchrun", {}).get(metric)
+            for cell in cells.values():
+                step = cell.get(metric)
+                cell[name] = (round(step / baseline - 1, 4)
+                              if step is not None and baseline else None)
     return out
 
 
@@ -56,10 +64,12 @@ def _median_goodput(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def ratios_of(summary: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """phalanx / system for recovery time, lost steps, wall time, bytes and memory."""
+    """phalanx / peer (every system but torchrun) for every metric."""
     out: dict[str, dict[str, Any]] = {}
     for job, cells in summary.items():
-        mine = cells.get("phalanx", {})
+        mine = cells.get("phalanx")
+        if mine is None:     # --systems without phalanx: nothing to compare
+            continue
         for key, cell in cells.items():
             if key in ("phalanx", "torchrun"):
                 continue
@@ -77,7 +87,10 @@ def _ratio(a: Any, b: Any) -> float | None:
 def targets_of(summary: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     found = []
     for job, cells in summary.items():
-        mine = cells.get("phalanx", {})
+        mine = cells.get("phalanx")
+        if mine is None:
+            continue
+        found += _issue_targets(job, mine, cells.get("torchrun"), cells.get("torchft"))
         k50, async10 = cells.get("dcp_k50"), cells.get("dcp_async_k10")
         if k50 is not None:
             speedup = _ratio(k50.get("kill_to_first_step_s"), mine.get("kill_to_first_step_s"))
@@ -95,6 +108,31 @@ def targets_of(summary: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, 
     return found
 
 
+def _issue_targets(job: str, mine: dict[str, Any], torchrun: dict[str, Any] | None,
+                   torchft: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The targets of issue 19: steady overhead, memory vs torchrun, recovery time, and
+    recovery vs torchft with the final state bit-identical (torchft's reported too)."""
+    overhead, first = mine.get("overhead"), mine.get("kill_to_first_step_s")
+    found = [{"job": job, "target": "phalanx steady-state overhead <= 3%", "measured": overhead,
+              "verdict": verdict(overhead is not None and overhead <= 0.03)},
+             {"job": job, "target": "phalanx kill→first step <= 0.5 s", "measured": first,
+              "verdict": verdict(first is not None and first <= 0.5)}]
+    if torchrun is not None:
+        mem = _ratio(mine.get("peak_host_memory_bytes"), torchrun.get("peak_host_memory_bytes"))
+        found.append({"job": job, "target": "phalanx peak memory <= 1.5x torchrun's",
+                      "measured": mem, "verdict": verdict(mem is not None and mem <= 1.5)})
+    if torchft is not None:
+        theirs = torchft.get("kill_to_first_step_s")
+        same = mine.get("identical_to_fault_free")
+        found.append({"job": job, "target": "phalanx recovers faster than torchft, bit-identical",
+                      "measured": {"phalanx_s": first, "torchft_s": theirs,
+                                   "phalanx_identical": same,
+                                   "torchft_identical": torchft.get("identical_to_fault_free")},
+                      "verdict": verdict(first is not None and theirs is not None
+                                         and first < theirs and same is True)})
+    return found
+
+
 def scaling_of(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median recovery time and lost steps per (system, world) of the mlp runs that the
     scaling plot compares (the world-2 main runs included)."""
@@ -109,7 +147,8 @@ def scaling_of(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# phalanx vs torchrun + DCP ({'quick' if report['quick'] else 'full'} run)", "",
+    lines = [f"# phalanx vs torchrun + DCP vs torchft ({'quick' if report['quick'] else 'full'} "
+             "run)", "",
              f"Machine: {report['machine'].get('cpus')} CPUs, "
              f"{report['machine'].get('mem_total_kib', 0) / 2**20:.1f} GiB RAM, "
              f"torch {report['machine'].get('torch')}, {report['machine'].get('platform')}. "
@@ -120,28 +159,38 @@ def markdown(report: dict[str, Any]) -> str:
         meta = report["jobs"][job]
         lines += [f"## {job} (world {meta['world']}, "
                   f"state {meta['state_mib'] or '?'} MiB per rank)", "",
-                  f"{meta['steps']} steps, fault at step {meta['fault_step']}, steady state "
-                  f"= mean step over steps {meta['window'][0]}..{meta['window'][1] - 1}.", ""]
-        rows = []
-        for cell in cells.values():
-            mem = cell["peak_host_memory_bytes"]
-            rows.append([cell["label"], cell["wall_s"], ms(cell["steady_step_s"]),
-                         _pct(cell["overhead"]), cell["kill_to_first_step_s"],
-                         cell["kill_to_regained_s"],
-                         cell["lost_steps"], _mib(cell["bytes_written"]), _mib(mem),
-                         _same(cell["identical_to_fault_free"]),
-                         f"{cell['ok_runs']}/{cell['runs']}"])
-        lines += [markdown_table(["system", "wall s", "step ms", "overhead",
-                                  "kill→first step s", "kill→regained s", "lost steps", "written MiB",
-                                  "peak mem MiB", "params = fault-free", "ok"], rows), ""]
+                  f"{meta['steps']} steps, fault at step {meta['fault_step']}. Start-up = launch "
+                  "→ first step done by every rank; warm-up = mean step over steps "
+                  f"1..{meta['warmup_end'] - 1}; steady state = mean step over steps "
+                  f"{meta['steady_window'][0]}..{meta['steady_window'][1] - 1}; capture window "
+                  f"= steps {meta['capture_window'][0]}..{meta['capture_window'][1] - 1} (the "
+                  "last 50 before the fault, the bench's step time before it told start-up "
+                  "apart). Overheads vs torchrun without checkpoints.", ""]
+        snapshot = next((r.get("snapshot_config") for r in report["runs"]
+                         if r["job"] == job and r["system"] == "phalanx"
+                         and r.get("snapshot_config")), None)
+        if snapshot:
+            lines += ["phalanx ran with `snapshot: " + json.dumps(snapshot, sort_keys=True)
+                      + "` (its run directory's config.yaml).", ""]
+        lines += [markdown_table(["system", "wall s", "start-up s", "warm-up step ms",
+                                  "steady step ms", "overhead", "window step ms",
+                                  "window overhead"], [_step_row(c) for c in cells.values()]), ""]
+        lines += [markdown_table(["system", "kill→first step s", "kill→regained s",
+                                  "lost steps", "degraded steps", "written MiB", "peak mem MiB",
+                                  "params = fault-free", "ok"],
+                                 [_fault_row(c) for c in cells.values()]), ""]
+        lines += [f"- {c['label']}: params differ because {c['differs_because']}."
+                  for c in cells.values() if c.get("differs_because")]
+        lines += [""] if any(c.get("differs_because") for c in cells.values()) else []
         lines += _goodput_table(cells)
         ratios = report["ratios"].get(job, {})
         if ratios:
-            lines += ["phalanx / torchrun ratios (below 1: phalanx is lower):", "",
-                      markdown_table(["vs", "recovery", "regained", "lost steps", "wall",
-                                      "written", "peak mem"],
-                                     [[cells[k]["label"], r["kill_to_first_step_s"],
-                                       r["kill_to_regained_s"], r["lost_steps"], r["wall_s"], r["bytes_written"],
+            lines += ["phalanx / peer ratios (below 1: phalanx is lower):", "",
+                      markdown_table(["vs", "start-up", "steady step", "recovery", "regained",
+                                      "lost steps", "wall", "written", "peak mem"],
+                                     [[cells[k]["label"], r["startup_s"], r["steady_step_s"],
+                                       r["kill_to_first_step_s"], r["kill_to_regained_s"],
+                                       r["lost_steps"], r["wall_s"], r["bytes_written"],
                                        r["peak_host_memory_bytes"]]
                                       for k, r in ratios.items()]), ""]
     if report["scaling"]:
@@ -157,6 +206,19 @@ def markdown(report: dict[str, Any]) -> str:
     if failed:
         lines += ["## Failed runs", ""] + [f"- {r['name']}: {r.get('error')}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def _step_row(cell: dict[str, Any]) -> list[Any]:
+    return [cell["label"], cell["wall_s"], cell["startup_s"], ms(cell["warmup_step_s"]),
+            ms(cell["steady_step_s"]), _pct(cell["overhead"]), ms(cell["window_step_s"]),
+            _pct(cell["window_overhead"])]
+
+
+def _fault_row(cell: dict[str, Any]) -> list[Any]:
+    return [cell["label"], cell["kill_to_first_step_s"], cell["kill_to_regained_s"],
+            cell["lost_steps"], cell["degraded_steps"], _mib(cell["bytes_written"]),
+            _mib(cell["peak_host_memory_bytes"]), _same(cell["identical_to_fault_free"]),
+            f"{cell['ok_runs']}/{cell['runs']}"]
 
 
 def _goodput_table(cells: dict[str, dict[str, Any]]) -> list[str]:
@@ -197,6 +259,8 @@ PALETTE = ("tab:blue", "tab:orange", "tab:purple", "tab:red", "tab:brown", "tab:
 
 
 def _color(key: str, index: int) -> str:
+    if key == "torchft":
+        return "tab:gray"
     return "tab:green" if key == "phalanx" else PALETTE[index % len(PALETTE)]
 
 
@@ -213,10 +277,13 @@ def plot(path: Path, report: dict[str, Any]) -> bool:
     panels = [("kill_to_first_step_s", "kill → first step after recovery (s)", True),
               ("kill_to_regained_s", "kill → back at the step reached (s)", True),
               ("lost_steps", "lost (recomputed) steps", False),
+              ("startup_s", "start-up: launch → first step (s)", False),
               ("overhead", "steady-state overhead vs no checkpoints", False)]
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(27, 5))
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(32, 5))
     width = 0.8 / max(1, len(keys))
     for ax, (metric, title, log) in zip(axes, panels):
+        log = log and any((report["summary"][job].get(key, {}).get(metric) or 0) > 0
+                          for job in jobs for key in keys)   # a log axis needs a value
         for i, key in enumerate(keys):
             values = [report["summary"][job].get(key, {}).get(metric) for job in jobs]
             xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(jobs))]
@@ -237,10 +304,11 @@ def plot(path: Path, report: dict[str, Any]) -> bool:
     ax.set_xlabel("world size")
     ax.set_ylabel("kill → first step (s)")
     ax.set_title("recovery vs world size (mlp)")
-    ax.set_yscale("log")
+    if report["scaling"]:
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.suptitle("phalanx vs torchrun + DCP: same job, same SIGKILL")
+    fig.suptitle("phalanx vs torchrun + DCP vs torchft: same job, same SIGKILL")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
