@@ -163,11 +163,16 @@ def _ladders(ranks: Iterable[Rank], world: WorldView, damage: _Damage, replicas:
     every other healthy keeper holding ``restore.step`` (own node first, then by node id),
     then every tier in ladder order. O(ranks · (holders + tiers))."""
     step = restore.step
+    keeper_copies: dict[NodeId, KeeperCopy] = {}    # one value per node, not per rank
+
+    def keeper(node: NodeId) -> KeeperCopy:
+        return keeper_copies.get(node) or keeper_copies.setdefault(node, KeeperCopy(node))
+
     first: dict[Rank, RestoreSource] = {}
     for action in restore.sources:
         match action:
             case RestoreFromKeeper(rank=rank, node=node):
-                first[rank] = KeeperCopy(node)
+                first[rank] = keeper(node)
             case RestoreFromTier(rank=rank, tier=tier):
                 first[rank] = TierCopy(tier)
             case PromoteSpare() | RestartWorker() | RepairFromPeer() | Rollback() \
@@ -184,7 +189,7 @@ def _ladders(ranks: Iterable[Rank], world: WorldView, damage: _Damage, replicas:
                          if node in damage.healthy and step in steps)
         ladder: list[RestoreSource] = [first[rank]] if rank in first else []
         ladder += [peers[rank]] if rank in peers else []
-        ladder += [KeeperCopy(node) for _, node in holders if KeeperCopy(node) not in ladder]
+        ladder += [held for _, node in holders if (held := keeper(node)) not in ladder]
         ladder += [copy for copy in tier_copies if copy not in ladder]
         ladders[rank] = tuple(ladder)
     return ladders
@@ -245,6 +250,8 @@ def _repairs(faults: Sequence[FaultReport], world: WorldView, damage: _Damage,
     first, then the lowest rank. None when no rank is healthy (2 ranks, no majority):
     each rank then keeps its own state of ``step``, which agreed with its peers."""
     suspects = {r for f in faults if f.corruption is not None for r in f.ranks}
+    if not suspects:        # no corruption: nothing to repair (no O(world) scan)
+        return []
     lost = set(damage.lost)
     heap: list[tuple[int, Rank, NodeId]] = []
     for r in range(world.world_size):

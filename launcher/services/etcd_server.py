@@ -279,6 +279,10 @@ class EmbeddedEtcd:
                 f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
                 f"--initial-cluster=phalanx={peer}", "--initial-cluster-state=new",
                 "--heartbeat-interval=10", "--election-timeout=100",
+                # keep one hour of history: without compaction every heartbeat's ~0.8 KB
+                # stays, and the 2 GiB quota fills in ~28 h at world 8 (bench/scale_sim.py);
+                # watches resume from revisions seconds old
+                "--auto-compaction-mode=periodic", "--auto-compaction-retention=1h",
                 *(self.tls.flags() if self.tls is not None else [])]
 
     def _spawn(self) -> subprocess.Popen[bytes]:
