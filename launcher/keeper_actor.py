@@ -14,6 +14,7 @@ import ray
 
 from phalanx.configs.loader import load_config_text
 from phalanx.configs.errors import MembershipUnavailable
+from phalanx.runtime.base import per_rank_channel
 from phalanx.runtime.logs import DEFAULT_FORMAT, bind_fields, configure_logging
 from phalanx.runtime.node import node_keeper
 from phalanx.runtime.keeper.fence import KeeperFence
@@ -29,6 +30,12 @@ from phalanx.runtime.tiers.config import tier_specs
 log = logging.getLogger(__name__)
 EVENTS_KEPT = 200
 PERSIST_SETTLE_S = 5.0   # at close, how long a marker the final commit point allows waits for other nodes
+
+
+def keeper_bind_host(configured: str) -> str:
+    """``replication.bind_host`` resolved on the keeper's node: ``auto`` is the address Ray
+    knows this node by (what other hosts reach it at), anything else is used as given."""
+    return ray.util.get_node_ip_address() if configured == "auto" else configured
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
@@ -48,7 +55,7 @@ class KeeperActor:
         secret = bytes.fromhex(secret_hex)
         self._keeper = node_keeper(node, cfg.job.name, secret,
                                    shm_dir=cfg.snapshot.shm_dir, slots=cfg.snapshot.slots,
-                                   bind_host=cfg.replication.bind_host,
+                                   bind_host=keeper_bind_host(cfg.replication.bind_host),
                                    generation_check=lambda generation: generation >= self._fence,
                                    timeout_s=cfg.replication.timeout_s,
                                    plan=MemoryPlan.from_config(cfg),
@@ -87,6 +94,10 @@ class KeeperActor:
         holders, persist the ranks now on this node."""
         self._fence = self._generation = generation
         self._write_fence.given(generation)
+        persisted = list(local_ranks)
+        # each rank's per-rank snapshots live, and are replicated, like its full ones
+        holders = {**holders, **{per_rank_channel(int(r)): nodes for r, nodes in holders.items()}}
+        local_ranks = persisted + [per_rank_channel(r) for r in persisted]
         if generation > 0:
             self._keeper.plan_proven()
         self._keeper.retarget(local_ranks, [int(r) for r, nodes in holders.items()
@@ -96,7 +107,7 @@ class KeeperActor:
             self._replicator.set_targets(generation, mine,
                                          {n: (str(a[0]), int(a[1])) for n, a in addresses.items()})
         if self._persister is not None:
-            self._persister.set_local_ranks(local_ranks)
+            self._persister.set_local_ranks(persisted)
 
     def replication_stats(self) -> dict[str, Any]:
         return {} if self._replicator is None else dict(self._replicator.stats())

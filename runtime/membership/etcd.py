@@ -5,6 +5,7 @@ Every grpc/etcd3 error is translated here to ``MembershipUnavailable`` or ``Leas
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -99,6 +100,19 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+_FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the etcd member did not answer (another member may)."""
+    if isinstance(exc, (etcd3.exceptions.ConnectionFailedError,
+                        etcd3.exceptions.ConnectionTimeoutError)):
+        return True
+    return any(isinstance(err, grpc.RpcError) and hasattr(err, "code")
+               and err.code() in _FAILOVER_CODES
+               for err in (exc, exc.__cause__, exc.__context__))
+
+
 def _lease_not_found(exc: BaseException) -> bool:
     return (isinstance(exc, grpc.RpcError) and hasattr(exc, "code")
             and exc.code() == grpc.StatusCode.NOT_FOUND)
@@ -114,6 +128,11 @@ class EtcdMembership:
     Every call may raise ``MembershipUnavailable``; ``update`` raises ``LeaseLost`` once
     etcd says our lease is gone (not while etcd is merely unreachable: see
     ``lease_silent_s``); ``join`` again to get a new one.
+
+    With several endpoints (members of one etcd cluster), a call that finds its member
+    unreachable raises ``MembershipUnavailable`` and drops the connection: the next call
+    connects to the next member that answers (the failed one is tried last), the lease
+    keepalive and every watch carry on there (``_fail_over``).
     """
 
     def __init__(self, endpoints: list[str], job_prefix: str, *, timeout_s: float = 5.0,
@@ -208,11 +227,36 @@ class EtcdMembership:
             raise
         return client
 
+    def _fail_over(self, client: Any, error: str) -> None:
+        """Drop ``client``, on which a call just found its member unreachable, so the next
+        call connects to another member (this one moved to the end of the list), and
+        re-subscribe every watch there. No-op with one endpoint or when another thread
+        already failed over. Never raises."""
+        with self._lock:
+            if len(self._endpoints) < 2 or client is None or self._client is not client:
+                return
+            failed = self._endpoint
+            self._endpoints = ([ep for ep in self._endpoints if f"{ep[0]}:{ep[1]}" != failed]
+                               + [ep for ep in self._endpoints if f"{ep[0]}:{ep[1]}" == failed])
+            self._client, self._endpoint = None, ""
+            watches = list(self._watches)
+        log.warning("event=etcd_failover from=%s next=%s prefix=%s error=%s", failed,
+                    self.endpoint, self._prefix, error)
+        for watch in watches:
+            watch.resubscribe_elsewhere()
+        try:
+            client.close()
+        except Exception as exc:  # noqa: BLE001 - a dead member's channel; nothing to keep
+            log.info("event=etcd_close_failed endpoint=%s error=%r", failed, exc)
+
     @contextlib.contextmanager
     def _translate(self, op: str, key: str = "") -> Iterator[None]:
+        client = self._client       # the connection the caller got from _conn()
         try:
             yield
         except _VENDOR_ERRORS as exc:
+            if _unreachable(exc):
+                self._fail_over(client, _describe(exc))
             where = f" key={self._prefix}{key}" if key else ""
             raise MembershipUnavailable(
                 f"etcd {self.endpoint} {op}{where} failed: {_describe(exc)}; "
@@ -325,11 +369,15 @@ class EtcdMembership:
         succeeded is ``lease_silent_s``. Runs on the keepalive thread."""
         wait = ttl / 3
         while not stop.wait(wait):
+            client = None
             try:
-                responses = list(self._conn().refresh_lease(lease_id))
+                client = self._conn()
+                responses = list(client.refresh_lease(lease_id))
                 if not responses:
                     raise MembershipUnavailable("lease keepalive stream closed without reply")
             except Exception as exc:  # thread boundary: etcd unreachable, retried
+                if _unreachable(exc):
+                    self._fail_over(client, _describe(exc))
                 wait = _RETRY_FIRST_S if wait >= ttl / 3 else min(ttl / 3, wait * 2)
                 log.warning("event=lease_refresh_failed lease=%x silent_s=%.1f error=%s",
                             lease_id, self.lease_silent_s, _describe(exc))
@@ -497,7 +545,8 @@ class _PrefixWatch:
                 head = client.get_response(self._full, count_only=True)
                 self._next_revision = head.header.revision + 1
             watch_id = client.add_watch_prefix_callback(
-                self._full, self._on_response, start_revision=self._next_revision)
+                self._full, functools.partial(self._on_response, client=client),
+                start_revision=self._next_revision)
         with self._lock:
             if not self._cancelled.is_set():
                 self._watch_id = watch_id
@@ -517,10 +566,17 @@ class _PrefixWatch:
             with self._owner._translate("cancel watch", self._prefix):
                 client.cancel_watch(watch_id)
 
-    def _on_response(self, resp: Any) -> None:
+    def resubscribe_elsewhere(self) -> None:
+        """The owner failed over to another member: subscribe there from the revision
+        after the last delivered event (this stream's later responses are ignored)."""
+        self._start_retry()
+
+    def _on_response(self, resp: Any, client: Any = None) -> None:
         """Runs on etcd3's watcher thread."""
         if resp is None or self._cancelled.is_set():  # None: the stream was closed by us
             return
+        if client is not None and client is not self._owner._client:
+            return      # a stream of a connection dropped by a failover: resubscribed elsewhere
         if isinstance(resp, BaseException):
             log.warning("event=watch_broken prefix=%s endpoint=%s error=%s next_revision=%d",
                         self._full, self._owner.endpoint, _describe(resp), self._next_revision)

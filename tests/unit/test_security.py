@@ -52,7 +52,7 @@ def _raw(server: FrameServer) -> socket.socket:
 @pytest.mark.unit
 @pytest.mark.timeout(20)
 def test_servers_listen_on_loopback_by_default(tmp_path: Path) -> None:
-    assert ReplicationConfig().bind_host == "127.0.0.1"
+    assert ReplicationConfig().bind_host == "auto"   # 127.0.0.1 on the launcher's local Ray
     with FrameServer(secret=SECRET, job=JOB, handler=_echo) as server:
         assert server.address[0] == "127.0.0.1"
     with Keeper("n0", JOB, SECRET, shm_dir=str(tmp_path)) as keeper:

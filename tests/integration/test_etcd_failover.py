@@ -1,0 +1,101 @@
+"""The etcd client fails over between the members of a real 3-member etcd cluster: the
+member it is connected to is killed, and its calls, its lease and its watches carry on at
+another member (before, it stuck to the first endpoint)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from phalanx.configs.errors import MembershipUnavailable
+from phalanx.launcher.services.etcd_server import (etcd_healthy, find_etcd_binary,
+                                                   free_loopback_ports)
+from phalanx.runtime.base import MemberRecord, WatchEvent
+from phalanx.runtime.membership.etcd import EtcdMembership
+
+MEMBERS = 3
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """Three etcd members on loopback, joined with ``--initial-cluster``: endpoint → process."""
+    ports = free_loopback_ports(2 * MEMBERS)
+    clients = [f"127.0.0.1:{p}" for p in ports[:MEMBERS]]
+    peers = [f"http://127.0.0.1:{p}" for p in ports[MEMBERS:]]
+    initial = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for i, (client, peer) in enumerate(zip(clients, peers)):
+            log = open(tmp_path / f"m{i}.log", "wb")  # noqa: SIM115 - etcd holds it
+            procs[client] = subprocess.Popen(
+                [find_etcd_binary(), f"--name=m{i}", f"--data-dir={tmp_path / f'm{i}'}",
+                 f"--listen-client-urls=http://{client}", f"--advertise-client-urls=http://{client}",
+                 f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+                 f"--initial-cluster={initial}", "--initial-cluster-state=new",
+                 "--heartbeat-interval=50", "--election-timeout=500"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            log.close()
+        deadline = time.monotonic() + 30
+        while not all(etcd_healthy(c) for c in clients):
+            assert time.monotonic() < deadline, "3-member etcd cluster not healthy in 30 s"
+            time.sleep(0.1)
+        yield procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+
+
+def _retry(call, timeout_s: float = 15.0):  # type: ignore[no-untyped-def]
+    """``call()`` until it stops raising MembershipUnavailable (each try fails over)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except MembershipUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_client_fails_over_when_its_member_dies(
+        etcd_cluster: dict[str, subprocess.Popen[bytes]]) -> None:
+    endpoints = list(etcd_cluster)
+    membership = EtcdMembership(endpoints, "/phalanx/failover/", timeout_s=2.0).connect()
+    seen: list[WatchEvent] = []
+    try:
+        first = membership.endpoint
+        assert first == endpoints[0]
+        membership.join(MemberRecord(worker_id="w0", rank=0, node="n0", endpoint="e", pid=1),
+                        ttl_s=3)
+        membership.watch_prefix("watched/", seen.append)
+        membership.put("watched/a", b"1")
+
+        etcd_cluster[first].send_signal(signal.SIGKILL)
+        etcd_cluster[first].wait(timeout=10)
+
+        _retry(lambda: membership.put("watched/b", b"2"))
+        assert membership.endpoint != first, "the client still uses the killed member"
+        assert _retry(lambda: membership.get("watched/b")).value == b"2"
+        time.sleep(4.0)     # longer than the lease TTL: only refreshes elsewhere keep it
+        assert not membership.lease_lost
+        assert "w0" in _retry(membership.members)
+        deadline = time.monotonic() + 10
+        while [e.key for e in seen] != ["watched/a", "watched/b"]:
+            assert time.monotonic() < deadline, f"watch saw {seen}"
+            time.sleep(0.05)
+        membership.put("watched/c", b"3")
+        time.sleep(0.5)
+        assert [e.key for e in seen] == ["watched/a", "watched/b", "watched/c"], \
+            "a watch event was lost or repeated across the failover"
+    finally:
+        membership.close()
