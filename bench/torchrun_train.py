@@ -48,7 +48,10 @@ class Job:
     """Model, optimizer, optional scheduler and the loss of one step: exactly what the
     phalanx example of the same name computes."""
 
-    def __init__(self, name: str, args: dict[str, Any]) -> None:
+    def __init__(self, name: str, args: dict[str, Any],
+                 wrap: Callable[[nn.Module], nn.Module] | None = None) -> None:
+        """``wrap``: the data-parallel wrapper (default torch's DDP; ``bench/torchft_train.py``
+        passes torchft's)."""
         self.name, self.args = name, args
         self.scheduler: Any = None
         self.loss: Callable[[int, int], torch.Tensor]
@@ -80,18 +83,19 @@ class Job:
         # After the optimizer (the same parameter objects). find_unused_parameters: DDP then
         # keeps its construction-time buckets, as a phalanx job's DDP does (its spares must
         # join with the survivors' layout); a rebuilt layout sums in another order (4 ranks)
-        self.model = DDP(self.model, find_unused_parameters=True)
+        self.model = (wrap or _ddp)(self.model)
         self.steps = int(args.get("steps", 60))
         self.sleep_s = float(args.get("sleep_per_step_s", 0.0))
 
     def step(self, rank: int, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=False)
-        self.loss(rank, step).backward()
+        loss = self.loss(rank, step)
+        if self.sleep_s:        # the slow model's compute: forward and backward
+            time.sleep(self.sleep_s)
+        loss.backward()
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
 
     def state(self, step: int) -> dict[str, Any]:
         model, optim = get_state_dict(self.model, self.optimizer)
@@ -108,6 +112,10 @@ class Job:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
         return int(extra["step"])
+
+
+def _ddp(module: nn.Module) -> nn.Module:
+    return DDP(module, find_unused_parameters=True)
 
 
 def newest_checkpoint(root: Path) -> Path | None:

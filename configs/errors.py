@@ -98,6 +98,18 @@ class StateNotCapturable(FatalError):
     state and the fix (docs/porting.md, "What the loop must not do")."""
 
 
+class PlacementUnsupported(FatalError, TypeError):
+    """Registered state holds a DTensor whose placement a snapshot cannot capture (only
+    ``Shard(dim)`` and ``Replicate()`` are): raised at the first snapshot, naming the path,
+    the placement and the fix. A TypeError too, like any value a snapshot cannot flatten."""
+
+
+class ReshardUnsupported(FatalError):
+    """A snapshot of sharded state (DTensor local shards) does not fit the live DeviceMesh
+    (another world size, mesh shape, dim names or rank coordinate): resharding a snapshot
+    is not supported. The message names both meshes."""
+
+
 class ServiceStartError(FatalError):
     """An embedded service (etcd, Ray) did not start or did not become healthy."""
 

@@ -155,8 +155,10 @@ class RayConfig:
 @dataclass(frozen=True)
 class SnapshotConfig:
     enabled: bool = doc("keep per-step in-memory snapshots", True)
-    every_steps: int | Literal["auto"] = doc("snapshot interval in steps, or 'auto' (the most "
-                                             "frequent interval within overhead_budget)", 1)
+    every_steps: int | Literal["auto"] = doc("full-snapshot interval in steps, or 'auto' (the "
+                                             "most frequent interval within overhead_budget); "
+                                             "per-rank state is snapshotted every step and "
+                                             "replicated state heals from live peers", "auto")
     overhead_budget: float = doc("share of step time snapshots may cost with every_steps: auto", 0.03)
     slots: int = doc("snapshot buffers per rank in its node keeper: 2 double-buffer; a 3rd lets "
                      "persistence and replication read one while training writes", 3)
@@ -190,7 +192,9 @@ class ReplicationConfig:
     enabled: bool = doc("replicate snapshots to keepers on other nodes", True)
     factor: int = doc("replicas of each rank's snapshot on other nodes", 1)
     chunk_mb: float = doc("chunk size of keeper-to-keeper transfers, MiB", 4.0)
-    bind_host: str = doc("interface keepers listen on", "127.0.0.1")
+    bind_host: str = doc("address keepers listen on and advertise in etcd: auto is the "
+                         "node's own address as Ray reports it (127.0.0.1 on the launcher's "
+                         "local Ray, the host's address on a multi-host Ray cluster)", "auto")
     commit_every_steps: int = doc("write the committed step to etcd at most this often", 10)
     timeout_s: float = doc("socket timeout between keepers", 10.0)
 
@@ -399,6 +403,10 @@ class RecoveryConfig:
     on_worker_exception: str = doc("a rank whose entrypoint raises: replace (a spare takes it "
                                    "from the committed step; the same rank raising again at "
                                    "the same step fails the job) or fail", "replace")
+    heal_from_peers: bool = doc("heal a lost rank from live survivors: they keep their state "
+                                "(no rollback), the replacement receives the replicated state "
+                                "from their memory and its per-rank state from its snapshot; "
+                                "false: every rank restores the committed step", True)
 
     def __post_init__(self) -> None:
         _require(self.max_recoveries >= 0, "recovery.max_recoveries",

@@ -64,11 +64,11 @@ def main(steps: int = 60, batch_size: int = 32, hidden: int = 64, lr: float = 0.
                 x, y = batch(seed, session.rank, step, batch_size)
                 optimizer.zero_grad(set_to_none=False)
                 loss = nn.functional.mse_loss(model(x), y)
+                if sleep_per_step_s:    # the slow model's compute: forward and backward
+                    time.sleep(sleep_per_step_s)
                 loss.backward()
                 optimizer.step()
                 scheduler.step()
-                if sleep_per_step_s:
-                    time.sleep(sleep_per_step_s)
             log.end(session, step)
         seconds = time.perf_counter() - started
         digest = parameter_hash(model)

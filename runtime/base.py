@@ -12,6 +12,18 @@ WorkerId = NewType("WorkerId", str)
 SpareId = NewType("SpareId", str)
 Step = NewType("Step", int)
 Generation = NewType("Generation", int)
+# A rank's per-rank state (RNG, data position, buffers, extras) is snapshotted every step
+# under its own keeper "rank" id, apart from its full snapshots (runtime/snapshot/state_classes)
+CHANNEL_BASE = 1 << 20
+
+
+def per_rank_channel(rank: int) -> int:
+    """The keeper rank id of ``rank``'s per-rank snapshots."""
+    return CHANNEL_BASE + rank
+
+
+def is_channel(rank: int) -> bool:
+    return rank >= CHANNEL_BASE
 
 
 @dataclass(frozen=True)

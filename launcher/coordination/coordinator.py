@@ -472,7 +472,16 @@ class RecoveryCoordinator:
             resolved = (self._address(s) for s in plan.sources.get(rank, ()))
             ranks[int(rank)] = RankAssignment(str(worker), tuple(s for s in resolved if s))
         return GenerationPlan(plan.generation, self.cfg.job.world_size, plan.restore_step,
-                              ranks, plan.reason, self.store_address)
+                              ranks, plan.reason, self.store_address, self.heals(plan))
+
+    def heals(self, plan: RecoveryPlan) -> bool:
+        """Whether the generation heals from live peers (``recovery.heal_from_peers``):
+        some survivor keeps its state, something is committed to fall back to, and no
+        silent corruption asks for a rollback to a verified step."""
+        replaced = sum(isinstance(a, (PromoteSpare, RestartWorker)) for a in plan.actions)
+        return (self.cfg.recovery.heal_from_peers and plan.restore_step >= 0
+                and replaced < self.cfg.job.world_size
+                and not any(isinstance(a, RepairFromPeer) for a in plan.actions))
 
     def _address(self, source: RestoreSource) -> RestoreSource | None:
         """``source`` with where to find it: a keeper's host and port, a tier's root."""
@@ -515,6 +524,7 @@ class RecoveryCoordinator:
         # committed (restore step -1): every rank starts its entrypoint afresh, as at launch
         restore: dict[str, Any] | None = {
             "step": plan.restore_step, "joins_survivors": replaced < self.cfg.job.world_size,
+            "heal": self.heals(plan),
         } if plan.restore_step >= 0 else None
         initial = self._initial_restore() if restore is None else None
         worker_plan = self._current_plan
@@ -573,11 +583,19 @@ class RecoveryCoordinator:
         phases = dict(pending.phases)
         for change in self.phases.history[pending.phase_start + 1:]:
             phases[change.from_phase.value] = round(change.duration_s, 4)
-        record = {"generation": pending.generation, "restore_step": pending.restore_step,
-                  "first_step_at": first_step,
+        # a heal resumed at the step the ranks agreed on (every rank reports it), not at
+        # the plan's committed step: the steps lost are counted from there
+        restored = [r.extra.get("restored") or {} for r in ranks.values()]
+        healed = [int(h["step"]) for h in restored if h.get("healed")
+                  and h.get("generation") == pending.generation]
+        was_healed = bool(healed) and len(healed) == len(ranks)
+        resumed = min(healed) if was_healed else pending.restore_step
+        newest = pending.restore_step + pending.lost_steps
+        record = {"generation": pending.generation, "restore_step": resumed,
+                  "first_step_at": first_step, "healed": was_healed,
                   "fault": pending.root.kind.value, "ranks": list(pending.root.ranks),
                   "fault_to_first_step_s": round(first_step - pending.fault_wall, 3),
-                  "lost_steps": pending.lost_steps, "phases_s": phases,
+                  "lost_steps": max(0, newest - resumed), "phases_s": phases,
                   "reason": pending.plan_reason}
         self.history.append(record)
         self.events.emit("recovered", **record)

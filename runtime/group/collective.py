@@ -183,6 +183,20 @@ class Collective:
         except RuntimeError as exc:
             raise CollectiveAborted(f"all_reduce could not start: {exc}") from None
 
+    def start_broadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        """Begin sending ``tensor`` from rank ``src`` to every rank (in place); ``wait`` for
+        the returned work. Every rank must start it at the same point."""
+        if self._group is None:
+            if self._world_size == 1:
+                return None
+            raise CollectiveAborted("no process group in this generation yet")
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        try:
+            return self._group.broadcast([tensor], opts)
+        except RuntimeError as exc:
+            raise CollectiveAborted(f"broadcast could not start: {exc}") from None
+
     @staticmethod
     def wait(work: Any, tensor: torch.Tensor, should_abort: Callable[[], bool]) -> torch.Tensor:
         """``tensor`` once ``work`` completed; raises ``CollectiveAborted`` like

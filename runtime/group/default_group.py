@@ -50,6 +50,10 @@ _OPS: dict[str, int] = {
     "_reduce_scatter_base": 0, "reduce_scatter_tensor_coalesced": 0, "alltoall": 0,
     "alltoall_base": 0, "send": 0, "recv": 0, "recv_anysource": 0, "barrier": -1,
 }
+# torch's ``*_single`` ProcessGroup collectives (FSDP2's all-gather and reduce-scatter) and
+# the gloo backend collectives they run as
+_SINGLE = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
+           "all_to_all_single": "alltoall_base"}
 _world: dict[str, Any] = {}     # this process's collective and default group
 
 
@@ -72,6 +76,27 @@ class _FutureWork(dist.Work):
 
     def get_future(self) -> Future:
         return self._future
+
+
+def _future_of(work: dist.Work) -> Future:
+    """``work``'s future. gloo's ``_reduce_scatter_base`` (FSDP2's reduce-scatter) returns
+    a Work without one (torch 2.13): a daemon thread waits on it instead, and ends with it."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        pass
+    future: Future = Future()
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except Exception as exc:  # the waiting thread's boundary: a peer failed
+            future.set_exception(exc)
+            return
+        future.set_result([])
+
+    threading.Thread(target=wait, name="phalanx-work-wait", daemon=True).start()
+    return future
 
 
 def _done(value: Any) -> _FutureWork:
@@ -99,6 +124,14 @@ class DefaultGroup(dist.ProcessGroup):
         # not "gloo": DDP's logger would look up a C++ gloo backend inside this group
         # (dist.get_backend() still answers gloo: see install)
         return BACKEND
+
+    @property
+    def group_name(self) -> c10d.GroupName:
+        """The name torch registered this group under (a C++ ProcessGroup reads its name
+        from its backends, and this group has none): a DeviceMesh over the default group
+        (``init_device_mesh``, FSDP2) stores this name and resolves it back to this same
+        group object, so the mesh keeps working after a re-form."""
+        return c10d._world.pg_names[self]
 
     @property
     def _device_types(self) -> list[torch.device]:
@@ -138,7 +171,7 @@ class DefaultGroup(dist.ProcessGroup):
         token = next(self._tokens)
         with self._lock:
             self._pending[token] = (future, noop, collective.generation)
-        work.get_future().then(functools.partial(self._settle, token, name))
+        _future_of(work).then(functools.partial(self._settle, token, name))
         if collective.absorb_faults:
             self._watch()
         return _FutureWork(future)
@@ -198,15 +231,17 @@ class DefaultGroup(dist.ProcessGroup):
             time.sleep(_ABORT_POLL_S)
 
 
-def _forwarder(name: str, noop_at: int) -> Callable[..., dist.Work]:
+def _forwarder(name: str, noop_at: int, exposed: str = "") -> Callable[..., dist.Work]:
     def op(self: DefaultGroup, *args: Any, **kwargs: Any) -> dist.Work:
         return self._forward(name, noop_at, *args, *kwargs.values())
-    op.__name__ = name
+    op.__name__ = exposed or name
     return op
 
 
 for _name, _at in _OPS.items():
     setattr(DefaultGroup, _name, _forwarder(_name, _at))
+for _name, _gloo in _SINGLE.items():
+    setattr(DefaultGroup, _name, _forwarder(_gloo, _OPS[_gloo], _name))
 
 
 def _as_if_alone(name: str, args: tuple, noop: Any) -> Any:

@@ -9,7 +9,7 @@ import threading
 from typing import Any, Callable
 
 from phalanx.configs.errors import LeaseLost, MembershipUnavailable
-from phalanx.runtime.base import MemberRecord, Membership
+from phalanx.runtime.base import MemberRecord, Membership, is_channel
 from phalanx.runtime.commit import COMMIT_KEY, KeeperReport, committed_from
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ def read_commit_point(membership: Membership) -> int:
 
 def report_from_keeper(node: str, address: tuple[str, int], holdings: dict[int, dict[str, Any]],
                        stats: dict[str, int], generation: int) -> KeeperReport:
+    # a rank's per-rank snapshot channel is the keeper's business (heals read it directly)
+    holdings = {rank: info for rank, info in holdings.items() if not is_channel(rank)}
     return KeeperReport(
         node=node, address=address,
         local={rank: tuple(info.get("local", ())) for rank, info in holdings.items()

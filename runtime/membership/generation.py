@@ -46,12 +46,15 @@ class GenerationPlan:
     # the TCPStore this generation's group forms on: (host, port) of the coordinator that
     # published the plan (a standby that took over hosts a new one); None: unchanged
     store: tuple[str, int] | None = None
+    # heal from live peers (runtime/worker/heal.py): survivors keep their state and the
+    # ranks agree on the step after the group formed; restore_step is the fallback
+    heal: bool = False
 
     def to_json(self) -> bytes:
         return json.dumps({
             "generation": self.generation, "world_size": self.world_size,
             "restore_step": self.restore_step, "reason": self.reason,
-            "store": list(self.store) if self.store else None,
+            "store": list(self.store) if self.store else None, "heal": self.heal,
             "ranks": {str(r): {"worker": a.worker,
                                "sources": [source_to_json(s) for s in a.sources]}
                       for r, a in sorted(self.ranks.items())},
@@ -66,7 +69,8 @@ class GenerationPlan:
         store = raw.get("store")
         return cls(int(raw["generation"]), int(raw["world_size"]), int(raw["restore_step"]),
                    ranks, str(raw.get("reason", "")),
-                   (str(store[0]), int(store[1])) if store else None)
+                   (str(store[0]), int(store[1])) if store else None,
+                   bool(raw.get("heal", False)))
 
 
 def plan_key(generation: int) -> str:

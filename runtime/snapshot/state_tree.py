@@ -10,12 +10,16 @@ import random
 import re
 import struct
 from collections import OrderedDict
-from typing import Any, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Sequence
 
 import numpy as np
 import torch
 
 from phalanx.configs.errors import SnapshotCorrupt
+from phalanx.runtime.snapshot import dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,8 @@ _INT_LIKE = re.compile(r"-?[0-9]+")
 #   {"t":"np","dtype":D,"v":node}               a numpy scalar (np.float32(1.5), ...)
 #   {"t":"np_rng","kind":K,"v":node}            a numpy Generator or RandomState (K): its
 #                                               bit generator's state dict (JSON + arrays)
+#   {"t":"dtensor","name":N,"mesh":...}         a DTensor: tensors[N] is this rank's local
+#                                               shard; placement metadata: dtensor.py
 # Whole spec: {"version":1,"objects":{name:{"kind":"state_dict"|"generator"|"value",
 #                                           "tree":node}}}
 
@@ -113,6 +119,9 @@ class _Flattener:
             return value
         if kind is float:
             return value if value - value == 0.0 else _float_bits(value)
+        if dtensor.is_dtensor(value):     # its local shard, never gathered (dtensor.py)
+            local, node = dtensor.describe(value, path)
+            return {**node, "name": self.tensor(local, path)["name"]}
         if isinstance(value, torch.Tensor):
             return self.tensor(value, path)
         if kind is torch.Size:
@@ -192,10 +201,12 @@ class _Builder:
     """Decodes spec nodes; raises SnapshotCorrupt naming the path of a malformed node."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], copy: bool,
-                 into: Mapping[str, torch.Tensor] | None = None) -> None:
+                 into: Mapping[str, torch.Tensor] | None = None,
+                 meshes: Sequence[DeviceMesh] | None = None) -> None:
         self.tensors = tensors
         self.copy = copy
         self.into = into or {}
+        self.meshes = meshes        # None: a DTensor decodes to its plain local shard
         self.used: dict[str, torch.Tensor] = {}
 
     def decode(self, node: Any, path: str) -> Any:
@@ -223,6 +234,10 @@ class _Builder:
         if tag in ("tensor", "ndarray"):
             t = self._tensor(node["name"], path)
             return t.numpy() if tag == "ndarray" else t
+        if tag == dtensor.TAG:
+            local = self._tensor(node["name"], path)
+            return local if self.meshes is None else dtensor.rebuild(local, node, self.meshes,
+                                                                     path)
         if tag == "float":
             return struct.unpack(">d", bytes.fromhex(node["bits"]))[0]
         if tag == "size":
@@ -323,11 +338,13 @@ def _spec_objects(spec: Any) -> dict[str, dict]:
 
 
 def _decode_all(tensors: Mapping[str, torch.Tensor], spec: Any, copy_for: Any,
-                into_for: Any = None) -> dict[str, tuple[str, Any]]:
+                into_for: Any = None, meshes: Sequence[DeviceMesh] | None = None,
+                ) -> dict[str, tuple[str, Any]]:
     out: dict[str, tuple[str, Any]] = {}
     used: set[str] = set()
     for name, entry in _spec_objects(spec).items():
-        builder = _Builder(tensors, copy_for(name), into_for(name) if into_for else None)
+        builder = _Builder(tensors, copy_for(name), into_for(name) if into_for else None,
+                           meshes)
         out[name] = (entry["kind"], builder.decode(entry["tree"], _join("", name)))
         used.update(builder.used)
     unreferenced = sorted(set(tensors) - used)
@@ -342,13 +359,14 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, Any]
     """Rebuild ``{object name: state dict or value}`` from ``flatten_state``'s output.
 
     With ``copy=False`` the tensors in the result are the given ones (views over the
-    snapshot buffer, when they came from ``read_tensors``). Raises SnapshotCorrupt when
-    the spec is malformed or does not match the tensors."""
+    snapshot buffer, when they came from ``read_tensors``). A DTensor comes back as its
+    plain local shard (no live mesh to rebuild it on). Raises SnapshotCorrupt when the
+    spec is malformed or does not match the tensors."""
     return {name: tree for name, (_, tree) in _decode_all(tensors, spec, lambda _: copy).items()}
 
 
 def apply_state(objects: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-                spec: Mapping[str, Any]) -> dict[str, Any]:
+                spec: Mapping[str, Any], *, owned: bool = False) -> dict[str, Any]:
     """Load a snapshot into the registered objects in place; returns the plain values.
 
     Stateful objects get ``load_state_dict`` (an nn.Module copies into its existing
@@ -362,16 +380,24 @@ def apply_state(objects: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     parameters; other objects get their restored tensors copied into the tensors they hold
     now at the same path (same shape, dtype and device: an optimizer's state after a
     rollback; fresh memory would cost page faults, slower here than the copy), else
-    clones. Raises ValueError when the registered names differ from the snapshot's,
-    SnapshotCorrupt when the spec is malformed.
+    clones. A DTensor is rebuilt over the live DeviceMesh of the registered objects'
+    DTensors, its local shard copied into the live one at the same path when there is one
+    (an optimizer's) or into the module's parameter by ``load_state_dict``. Raises
+    ValueError when the registered names differ from the snapshot's, SnapshotCorrupt when
+    the spec is malformed, ReshardUnsupported when a DTensor's mesh or coordinate differs
+    from the live one (another world size or mesh shape).
     """
     names = _spec_objects(spec)
     if set(names) != set(objects):
         raise ValueError(f"snapshot holds objects {sorted(names)} but {sorted(objects)} are "
                          "registered; register the same objects as at capture")
+    # ``owned``: the tensors are the caller's to give away (received, not views of a
+    # snapshot buffer): an object with nothing live to copy into keeps them as they are
     decoded = _decode_all(tensors, spec,
-                          lambda name: not isinstance(objects[name], torch.nn.Module),
-                          lambda name: _live_tensors(name, objects[name]))
+                          lambda name: not owned and not isinstance(objects[name],
+                                                                    torch.nn.Module),
+                          lambda name: _live_tensors(name, objects[name]),
+                          dtensor.live_meshes(objects.values()))
     values: dict[str, Any] = {}
     for name, obj in objects.items():
         kind, tree = decoded[name]

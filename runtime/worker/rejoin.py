@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence, assert_never
+from typing import Any, Callable, Mapping, Sequence, assert_never
 
+from phalanx.configs.errors import PhalanxError
 from phalanx.configs.schema import S3TierConfig
 from phalanx.runtime.base import KeeperCopy, TierCopy
 from phalanx.runtime.keeper.wire import KeeperClient
@@ -57,3 +58,29 @@ def restore_rank(objects: Mapping[str, Any], rank: int, step: int,
     log.info("event=rank_restored rank=%d step=%d source=%r bytes=%d seconds=%.3f", rank, step,
              result.source, result.manifest.total_bytes, time.perf_counter() - started)
     return result
+
+
+def holdings_probe(keepers: Sequence[KeeperCopy], rank: int, *, job: str,
+                   secret: bytes | None, timeout_s: float,
+                   generation: int) -> Callable[[int], bool]:
+    """``probe(step)``: whether one of ``keepers`` holds ``rank``'s snapshot of ``step``
+    (each keeper asked once, at the first probe, for its holdings; an unreachable one
+    holds nothing)."""
+    held: set[int] | None = None
+
+    def probe(step: int) -> bool:
+        nonlocal held
+        if held is None:
+            held = set()
+            for source in keepers:
+                try:
+                    with KeeperClient(source.host, source.port, secret or b"", job,
+                                      timeout_s=timeout_s, role="restore",
+                                      generation=generation) as client:
+                        info = client.holdings().get(rank, {})
+                except (PhalanxError, OSError) as exc:
+                    log.info("event=heal_probe_failed keeper=%s error=%s", source.node, exc)
+                    continue
+                held.update(info.get("local", []) + info.get("replica", []))
+        return step in held
+    return probe

@@ -149,6 +149,7 @@ def wait_restored(membership: Any, generation: int, world_size: int, rank: int, 
     began = time.time()
     bound, stale = restore_bound_s(group_timeout_s), stale_after_s(heartbeat_s)
     others = [r for r in range(world_size) if r != rank]
+    pause = 0.005           # restores from memory end in milliseconds: look again soon
     while True:
         try:
             reports = read_reports(membership, generation)
@@ -165,4 +166,5 @@ def wait_restored(membership: Any, generation: int, world_size: int, rank: int, 
             log.warning("event=restore_wait_ended rank=%d generation=%d missing=%s "
                         "seconds=%.1f", rank, generation, missing, now - began)
             return missing
-        sleep(min(0.1, heartbeat_s))
+        sleep(min(pause, 0.1, heartbeat_s))
+        pause *= 2

@@ -30,8 +30,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from phalanx.configs.errors import (LeaseLost, MembershipUnavailable, PeerUnreachable,
-                                    StaleGeneration)
-from phalanx.runtime.base import MemberRecord, RestoreSource, source_from_json
+                                    PhalanxError, StaleGeneration)
+from phalanx.runtime.base import (KeeperCopy, MemberRecord, RestoreSource, per_rank_channel,
+                                  source_from_json)
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.group.default_group import default_group, process_collective
 from phalanx.runtime.context import WorkerContext
@@ -47,13 +48,16 @@ from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_
 from phalanx.runtime.worker.drill_hooks import (gate_reason, hold_at_gate, raise_on_sigusr1,
                                                write_memory_map)
 from phalanx.runtime.group.process_group import connect_store_at
-from phalanx.runtime.worker.rejoin import restore_rank
+from phalanx.runtime.worker import heal
+from phalanx.runtime.worker.rejoin import holdings_probe, ladder_sources, restore_rank
 from phalanx.runtime.worker.restore_progress import (drill_slow_restore_s, reporting,
                                                      wait_restored)
 from phalanx.runtime.consistency.digest import REPLICAS_EXTRA
 from phalanx.runtime.consistency.repair import split_sources, try_repair
 from phalanx.runtime.consistency.verify import ReplicaVerifier, per_rank_tensors, replicated_names
+from phalanx.runtime.snapshot.restore import restore
 from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter
+from phalanx.runtime.snapshot.state_classes import StateClasses, classify
 from phalanx.runtime.snapshot.state_tree import (RNGState, assign_in_place, flatten_state,
                                                   object_kind)
 
@@ -149,6 +153,13 @@ class Session:
         self.recoveries = 0
         self._keeper: KeeperLink | None = None
         self._snapshotter: Snapshotter | None = None
+        # per-rank state every step, when some state is replicated (see _state_classes)
+        self._rank_keeper: KeeperLink | None = None
+        self._rank_snapshotter: Snapshotter | None = None
+        self._declared: dict[str, str] = {}
+        self._classes: StateClasses | None = None
+        self._stepped: set[int] = set()    # optimizers that applied the step in flight
+        self._holds_state = True           # False: a replacement until its restore
         self._grad_guard = AccumulationGuard(self.context.rank)
         self._collective: Collective | None = None
         self._collective_error: dict[str, Any] | None = None
@@ -236,8 +247,7 @@ class Session:
     def _before_optimizer_step(self) -> None:
         """An optimizer step waits for the snapshot copy and never applies gradients
         whose reduction failed (DDP's buckets in flight when a peer died)."""
-        if self._snapshotter is not None:
-            self._snapshotter.wait_for_copy()
+        self._wait_for_copies()
         fault = self._group_fault()
         if fault is not None:
             raise CollectiveAborted(f"optimizer step refused: {fault}")
@@ -275,6 +285,45 @@ class Session:
         # gradients are no snapshot state: refuse them accumulated across this boundary
         self._grad_guard.arm(self._progress.step_index, self._objects)
 
+    def declare(self, **kinds: str) -> None:
+        """Declare registered state's class where it cannot be inferred
+        (``session.declare(model="replicated")`` for a module whose gradients the script
+        all-reduces itself; ``"per_rank"`` to keep an inferred one out of the heal); see
+        ``phalanx.runtime.snapshot.state_classes``. Before the first step."""
+        if self._classes is not None:
+            raise RuntimeError("declare() state classes before the first step")
+        self._declared.update(kinds)
+
+    def _state_classes(self) -> StateClasses:
+        """The registered state's classes, inferred once (at the first capture or heal)."""
+        if self._classes is None:
+            ctx = self.context
+            self._classes = classify(self._objects, self._declared,
+                                     data_parallel=not ctx.standalone_run and ctx.world_size > 1)
+        return self._classes
+
+    def _capture_per_rank(self) -> None:
+        """Every step, when some state is replicated: the per-rank state alone (kilobytes)
+        into the rank's per-rank channel of its keeper, what a heal restores it from."""
+        if self._keeper is None or not self._state_classes().split:
+            return
+        if self._rank_snapshotter is None:
+            ctx = self.context
+            client = self._open_keeper(ctx.keeper_host, ctx.keeper_port)
+            self._rank_keeper = KeeperLink(client, self._open_keeper,
+                                           lambda: keeper_address(self._membership, ctx.node))
+            self._rank_snapshotter = Snapshotter(
+                client, job=ctx.job, rank=per_rank_channel(ctx.rank), generation=self.generation,
+                secret=ctx.secret, policy=SnapshotPolicy(1, ctx.overhead_budget),
+                checksum_algo=ctx.checksum, checksum_workers=1)
+        assert self._rank_keeper is not None
+        if self._rank_keeper.capture(self._rank_snapshotter, self._progress.step_index,
+                                     self._state_classes().per_rank):
+            # in the keeper before the next step runs (one local round trip): a rank killed
+            # right after this step still leaves its state of this step behind, so the
+            # survivors heal at their step instead of falling back to the committed one
+            self._rank_snapshotter.wait_published()
+
     def _hook_optimizer(self, obj: Any) -> None:
         """Snapshots copy the live tensors in the background while the next step's forward
         and backward run: an optimizer step, and the forward of a module that updates
@@ -282,13 +331,18 @@ class Session:
         if isinstance(obj, torch.optim.Optimizer):
             if not getattr(obj, "_phalanx_hooked", False):
                 obj.register_step_pre_hook(lambda *_: self._before_optimizer_step())
+                obj.register_step_post_hook(lambda opt, *_: self._stepped.add(id(opt)))
                 obj._phalanx_hooked = True   # type: ignore[attr-defined]
             return
-        snapshotter = self._snapshotter
-        if snapshotter is None:
+        if self._snapshotter is None:
             return
         if isinstance(obj, torch.nn.Module) and any(True for _ in obj.buffers()):
-            obj.register_forward_pre_hook(lambda *_: snapshotter.wait_for_copy())
+            obj.register_forward_pre_hook(lambda *_: self._wait_for_copies())
+
+    def _wait_for_copies(self) -> None:
+        for snapshotter in (self._snapshotter, self._rank_snapshotter):
+            if snapshotter is not None:
+                snapshotter.wait_for_copy()
 
     def close(self) -> None:
         """Publish the last snapshot, wait for abandoned groups' teardown, leave membership
@@ -315,6 +369,15 @@ class Session:
         if self._keeper is not None:
             self._keeper.close()
             self._keeper = None
+        if self._rank_snapshotter is not None:
+            try:
+                self._rank_snapshotter.close()
+            except PeerUnreachable as exc:
+                log.warning("event=last_snapshot_lost rank=%d error=%s", self.rank, exc)
+            self._rank_snapshotter = None
+        if self._rank_keeper is not None:
+            self._rank_keeper.close()
+            self._rank_keeper = None
         if self._heartbeat is not None:
             self._heartbeat.join(self.context.heartbeat_s * 4)
             self._heartbeat = None
@@ -467,8 +530,10 @@ class Session:
         if not self._started:
             self.start()
         snapshotter = self._snapshotter
+        self._stepped.clear()
         if snapshotter is not None and not snapshotter.has_captured:
             self._capture(snapshotter)  # the initial state
+            self._capture_per_rank()
             if self._verifier is not None:
                 self._verifier.note_capture(self._progress.step_index)
         self._recover_if_faulted()      # a failed collective or a new generation since
@@ -492,7 +557,10 @@ class Session:
             return
         if snapshotter is not None:     # a loop with no fence publishes now, not later
             snapshotter.judge_if_copied()
+            if self._rank_snapshotter is not None:
+                self._rank_snapshotter.judge_if_copied()
         self._progress.step_index += 1
+        self._stepped.clear()           # (their step is now the completed one)
         self._log_step(self._progress.step_index - 1, time.perf_counter() - started)
         if self._awaiting_first_step:  # the first step of a new generation: report it now
             self._awaiting_first_step = False
@@ -500,6 +568,11 @@ class Session:
             self._wake.set()
         if snapshotter is not None:
             snapshotter.observe_step(time.perf_counter() - started)
+            try:
+                self._capture_per_rank()
+            except StaleGeneration as exc:  # the keeper already serves a newer generation
+                self._recover(f"snapshot fenced: {exc}")
+                return
             if snapshotter.due(self._progress.step_index):
                 if not self._compare_replicas(collect=True):
                     return
@@ -520,8 +593,9 @@ class Session:
         membership, watcher = self._membership, self._watcher
         if membership is None:
             return
-        if self._snapshotter is not None:
-            self._snapshotter.wait_published()
+        for snapshotter in (self._snapshotter, self._rank_snapshotter):
+            if snapshotter is not None:
+                snapshotter.wait_published()
         generation = self.generation
         with self._activity.busy(gate_reason(step)):
             released = hold_at_gate(membership, step, lambda: watcher is not None
@@ -612,9 +686,12 @@ class Session:
         self._wake.set()
         assert self._collective is not None and self._watcher is not None
         self._collective.abandon()
-        if self._snapshotter is not None:
+        live = self._live_step()
+        for snapshotter in (self._snapshotter, self._rank_snapshotter):
+            if snapshotter is None:
+                continue
             try:
-                self._snapshotter.flush()
+                snapshotter.flush()
             except Exception as exc:  # a publish cut short by the fault; the plan decides
                 log.warning("event=snapshot_flush_failed rank=%d error=%r", self.rank, exc)
         plan = self._watcher.wait_plan(self.generation, self.context.plan_timeout_s)
@@ -623,9 +700,10 @@ class Session:
             raise Fenced(f"rank {self.rank} of generation {plan.generation} belongs to "
                          f"{assignment.worker if assignment else 'nobody'}, not "
                          f"{self.context.worker_id}")
-        with reporting(self._membership, plan.generation, self.rank, self.context.worker_id,
-                       self.context.heartbeat_s):
-            self._apply_restore(plan.restore_step, assignment.sources, plan.generation)
+        if not plan.heal:
+            with reporting(self._membership, plan.generation, self.rank,
+                           self.context.worker_id, self.context.heartbeat_s):
+                self._apply_restore(plan.restore_step, assignment.sources, plan.generation)
         if plan.store is not None and plan.store != self._store_address:
             self._store_address = plan.store      # a standby coordinator took over
             host, port = plan.store
@@ -639,12 +717,21 @@ class Session:
             self._recover(str(exc))
             return
         self.generation = plan.generation
-        self._await_restored(plan.generation, plan.world_size)   # e.g. a spare restoring
+        try:
+            if plan.heal:       # from live peers, after the group formed
+                self._heal(plan.restore_step, assignment.sources, plan.generation,
+                           plan.world_size, live)
+            else:
+                self._await_restored(plan.generation, plan.world_size)   # a spare restoring
+        except CollectiveAborted as exc:    # another fault while healing: next plan
+            self._recover(str(exc))
+            return
         self._collective_error = None
         self._awaiting_first_step = True
         self.recoveries += 1
         log.warning("event=rank_rejoined rank=%d generation=%d restore_step=%d seconds=%.3f",
-                    self.rank, plan.generation, plan.restore_step, time.perf_counter() - started)
+                    self.rank, plan.generation, (self._restored or {}).get(
+                        "step", plan.restore_step), time.perf_counter() - started)
 
     def _restore_at_start(self) -> None:
         """The restore the launcher gave this rank (a recovery's spare or restarted worker,
@@ -653,12 +740,21 @@ class Session:
         ctx = self.context
         restore = ctx.extra.get("restore")
         if isinstance(restore, dict):
+            sources = [source_from_json(s) for s in restore["sources"]]
+            self._holds_state = False
+            if restore.get("heal") and self._collective is not None and ctx.generation > 0:
+                try:
+                    self._heal(int(restore["step"]), sources, ctx.generation, ctx.world_size,
+                               -1, drill_slow_restore_s(ctx.drills))
+                except CollectiveAborted as exc:   # another fault while healing
+                    if self._watcher is None:
+                        raise
+                    self._recover(str(exc))
+                return
             with reporting(self._membership if ctx.generation > 0 else None, ctx.generation,
                            ctx.rank, ctx.worker_id, ctx.heartbeat_s,
                            drill_slow_restore_s(ctx.drills)):
-                self._apply_restore(int(restore["step"]),
-                                    [source_from_json(s) for s in restore["sources"]],
-                                    ctx.generation)
+                self._apply_restore(int(restore["step"]), sources, ctx.generation)
         self._await_restored(ctx.generation, ctx.world_size)
 
     def _await_restored(self, generation: int, world_size: int) -> None:
@@ -688,17 +784,108 @@ class Session:
                           "refused": [f"{where}: {why}"[:160] for where, why in result.failures]}
         if repaired is not None:
             self._restored.update(source=repaired, own_source=result.source)
+        self._after_restore(step, generation)
+
+    def _after_restore(self, step: int, generation: int) -> None:
+        """This rank's state is now ``step``'s, in ``generation``: snapshots count from
+        there, newer ones (another timeline) are dropped, gradients are cleared (the failed
+        step's are garbage; a script that zeroes them after ``optimizer.step()`` would
+        otherwise add into them)."""
+        ctx = self.context
         self.generation = generation
+        self._holds_state = True
+        self._stepped.clear()
         self._agreement = None          # started in the old generation's group: dropped
-        if self._snapshotter is not None:
-            self._snapshotter.set_generation(generation)
-            self._snapshotter.rewind(step)
+        for snapshotter in (self._snapshotter, self._rank_snapshotter):
+            if snapshotter is not None:
+                snapshotter.set_generation(generation)
+                snapshotter.rewind(step)
         if self._keeper is not None:
             self._keeper.drop(ctx.rank, above_step=step)
+        if self._rank_keeper is not None:
+            self._rank_keeper.drop(per_rank_channel(ctx.rank), above_step=step)
         if self._verifier is not None:
             self._verifier.reset(step, generation)
+        for obj in self._objects.values():
+            if isinstance(obj, (torch.optim.Optimizer, torch.nn.Module)):
+                obj.zero_grad(set_to_none=True)
         if ctx.drills and ctx.run_dir:
             write_memory_map(ctx.run_dir, ctx.rank, ctx.worker_id, generation, self._objects)
+
+    def _live_step(self) -> int:
+        """The step this rank's replicated state is at: its completed steps, plus one when
+        every registered optimizer already applied the step in flight; -1 when it holds
+        no state of this run (a replacement before its restore) or only some optimizers
+        applied it."""
+        if not self._holds_state:
+            return -1
+        optimizers = [o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)]
+        stepped = sum(id(o) in self._stepped for o in optimizers)
+        if stepped == 0:
+            return self._progress.step_index
+        return self._progress.step_index + 1 if stepped == len(optimizers) else -1
+
+    def _heal(self, step: int, sources: Sequence[RestoreSource], generation: int,
+              world_size: int, live: int, slow_s: float = 0.0) -> None:
+        """Heal from live peers (``phalanx.runtime.worker.heal``), once the generation's
+        group formed: every rank at the agreed step, per-rank state from its snapshot,
+        replicated state from survivors' memory. When no step can be healed at, the plan's
+        committed ``step`` is restored from ``sources`` (the ladder) instead."""
+        ctx = self.context
+        assert self._collective is not None
+        started = time.perf_counter()
+        classes = self._state_classes()
+        channel = per_rank_channel(ctx.rank) if classes.split else ctx.rank
+        view = classes.per_rank if classes.split else self._objects
+        keepers = [s for s in sources if isinstance(s, KeeperCopy)]
+        collective, abort = self._collective, self._superseded(generation)
+
+        def reduce(tensor: torch.Tensor) -> torch.Tensor:
+            return collective.all_reduce(tensor, abort)
+
+        def broadcast(tensor: torch.Tensor, src: int) -> None:
+            collective.wait(collective.start_broadcast(tensor, src), tensor, abort)
+
+        agreement = heal.agree(rank=ctx.rank, world=world_size, live_step=live,
+                               replicated=classes.split, reduce=reduce,
+                               probe=holdings_probe(keepers, channel, job=ctx.job, secret=ctx.secret,
+                                                    timeout_s=ctx.group_timeout_s,
+                                                    generation=generation))
+        done, source = None, ""
+        if agreement.step is not None:
+            if live != agreement.step:   # its replicated state is replaced from here on: a
+                self._holds_state = False   # fault before that ends holds none of it
+            with reporting(self._membership, generation, ctx.rank, ctx.worker_id,
+                           ctx.heartbeat_s, slow_s):
+                try:
+                    source = restore(view, channel, agreement.step, ladder_sources(
+                        keepers, job=ctx.job, secret=ctx.secret, timeout_s=ctx.group_timeout_s,
+                        generation=generation, local_node=ctx.node), ctx.secret, ctx.job).source
+                except (PhalanxError, OSError) as exc:
+                    log.warning("event=heal_load_failed rank=%d step=%d error=%s", ctx.rank,
+                                agreement.step, exc)
+            self._restored = {"generation": generation, "step": agreement.step}
+            self._await_restored(generation, world_size)
+            done = heal.finish(agreement, rank=ctx.rank, world=world_size, loaded=bool(source),
+                               replicated=classes.replicated if classes.split else {},
+                               reduce=reduce, broadcast=broadcast)
+        if done is None or agreement.step is None:
+            log.warning("event=heal_fallback rank=%d generation=%d live=%s restore_step=%d",
+                        ctx.rank, generation, list(agreement.live), step)
+            with reporting(self._membership, generation, ctx.rank, ctx.worker_id,
+                           ctx.heartbeat_s, slow_s):
+                self._apply_restore(step, sources, generation)
+            self._await_restored(generation, world_size)
+            return
+        holders, received = done
+        self._restored = {"generation": generation, "step": agreement.step, "source": source,
+                          "healed": True, "holders": list(holders), "bytes": received,
+                          "live": list(agreement.live),
+                          "seconds": round(time.perf_counter() - started, 4), "refused": []}
+        log.info("event=healed rank=%d generation=%d step=%d source=%r holders=%s "
+                 "received_bytes=%d seconds=%.3f", ctx.rank, generation, agreement.step, source,
+                 list(holders), received, time.perf_counter() - started)
+        self._after_restore(agreement.step, generation)
 
     # -- progress ----------------------------------------------------------------------
     def _record(self, state: str = "running") -> MemberRecord:
@@ -737,3 +924,4 @@ class Session:
         return (self._progress.step_index, self.generation, self._first_step_at,
                 self._collective_error, self._replica_extra(), self._snapshot_extra(),
                 self._activity.extra())
+

@@ -254,11 +254,13 @@ DEEPER = {"kill_worker": check_kill_worker, "hang_worker": check_hang_worker,
 
 @pytest.mark.timeout(600)
 def test_a_broken_expectation_fails_with_a_clear_line(run_root: Path, tmp_path: Path) -> None:
-    """Snapshots every 10 steps and a kill after step 21: the rollback recomputes steps,
-    so ``max_lost_steps: 0`` cannot hold and the drill must say so and exit 1."""
+    """Snapshots every 10 steps, no heal from peers and a kill after step 21: the rollback
+    recomputes steps, so ``max_lost_steps: 0`` cannot hold and the drill must say so and
+    exit 1."""
     scenario = tmp_path / "strict.yaml"
     scenario.write_text(yaml.safe_dump({
-        "name": "strict", "overrides": {"snapshot.every_steps": 10},
+        "name": "strict", "overrides": {"snapshot.every_steps": 10,
+                                        "recovery.heal_from_peers": False},
         "faults": [{"kind": "kill_worker", "target": {"rank": 1},
                     "trigger": {"at_step": 21}}],
         "expect": {"max_lost_steps": 0, "final_state": "identical"}}))

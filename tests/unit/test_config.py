@@ -281,7 +281,7 @@ def test_reference_lists_every_leaf_field() -> None:
     assert len(leaves) > 50
     for leaf in leaves:
         assert f"| `{leaf.path}` |" in text, leaf.path
-    assert "| `snapshot.every_steps` | int or 'auto' | `1` |" in text
+    assert "| `snapshot.every_steps` | int or 'auto' | `auto` |" in text
 
 
 def test_reference_module_prints_the_reference() -> None:

@@ -54,3 +54,25 @@ def test_a_keeper_the_launcher_does_not_know_is_left_out(tmp_path: Path) -> None
     worker = coord.worker_plan(plan({0: (KeeperCopy(NodeId("node5")),
                                          KeeperCopy(NodeId("node0")))}))
     assert worker.ranks[0].sources == (KeeperCopy(NodeId("node0"), "10.0.0.1", 7000),)
+
+
+def test_a_generation_heals_from_peers_unless_told_not_or_nothing_is_left(
+        tmp_path: Path) -> None:
+    from phalanx.recovery.base import PromoteSpare, RepairFromPeer
+    from phalanx.runtime.base import SpareId
+    coord = coordinator(tmp_path)
+    one_lost = RecoveryPlan(Generation(2), Step(7), (PromoteSpare(SpareId("s0"), Rank(1),
+                                                                  NodeId("node0")),),
+                            {Rank(0): WorkerId("w0"), Rank(1): WorkerId("s0")}, "test", {})
+    worker = coord.worker_plan(one_lost)
+    assert worker.heal and GenerationPlan.from_json(worker.to_json()).heal
+    everyone = RecoveryPlan(Generation(2), Step(7), tuple(
+        PromoteSpare(SpareId(f"s{r}"), Rank(r), NodeId("node0")) for r in (0, 1)),
+        {Rank(0): WorkerId("s0"), Rank(1): WorkerId("s1")}, "test", {})
+    assert not coord.worker_plan(everyone).heal          # no survivor holds anything
+    repair = RecoveryPlan(Generation(2), Step(7), (RepairFromPeer(Rank(1), Rank(0),
+                                                                  NodeId("node0"), Step(7)),),
+                          {Rank(0): WorkerId("w0"), Rank(1): WorkerId("w1")}, "test", {})
+    assert not coord.worker_plan(repair).heal            # corruption: back to a verified step
+    off = coordinator(tmp_path, "recovery.heal_from_peers=false")
+    assert not off.worker_plan(one_lost).heal

@@ -1,0 +1,182 @@
+"""Where each piece of registered state has its redundancy (DESIGN.md, "State classes").
+
+- **replicated**: every rank of the data-parallel group holds the same value live: the
+  parameters of a ``DistributedDataParallel`` module (or of a module declared replicated)
+  and the state of an optimizer whose parameters are all such parameters. A lost rank is
+  healed from a survivor's memory; snapshots of it are needed only when every replica is
+  lost, so they are taken at the full-snapshot interval only.
+- **sharded**: ``DTensor`` state (FSDP2 parameters and their optimizer state): no live copy
+  exists elsewhere, so it is snapshotted with the per-rank state.
+- **per_rank**: everything else: RNGs, data position, extras, schedulers, module buffers
+  (BatchNorm statistics differ per rank without SyncBatchNorm), plain modules.
+
+``classify`` infers the classes and builds two *views* of the registered objects: the
+replicated one (what a survivor sends a replacement) and the per-rank one (what every rank
+snapshots every step). A module split between the two is represented by ``ParamsOf`` /
+``BuffersOf``, which have ``state_dict``/``load_state_dict`` like the module itself, so
+both views are captured and applied with the ordinary snapshot code.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal, Mapping
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger(__name__)
+StateClass = Literal["replicated", "sharded", "per_rank"]
+CLASSES: tuple[str, ...] = ("replicated", "sharded", "per_rank")
+
+
+class _ModulePart:
+    """The parameters (``ParamsOf``) or the other entries (``BuffersOf``) of a module's
+    state dict; ``load_state_dict`` copies into the live module (``strict=False`` on the
+    other part, every key of this part required)."""
+
+    params = True
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._cached: list[str] | None = None
+
+    def _keys(self) -> list[str]:
+        """This part's state-dict keys (read once: a module's structure is fixed by the
+        time training snapshots it)."""
+        if self._cached is None:
+            self._cached = [key for key, value in self.module.state_dict(keep_vars=True).items()
+                            if isinstance(value, torch.nn.Parameter) == self.params]
+        return self._cached
+
+    def state_dict(self) -> dict[str, Any]:
+        keys = set(self._keys())
+        return {k: v for k, v in self.module.state_dict().items() if k in keys}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        wanted, given = set(self._keys()), set(state)
+        if wanted != given:
+            raise ValueError(f"{type(self).__name__}: state holds {sorted(given - wanted)[:5]} "
+                             f"extra and lacks {sorted(wanted - given)[:5]}")
+        result = self.module.load_state_dict(dict(state), strict=False)
+        if result.unexpected_keys:
+            raise ValueError(f"unexpected keys {result.unexpected_keys[:5]}")
+
+    def __bool__(self) -> bool:
+        return bool(self._keys())
+
+
+class ParamsOf(_ModulePart):
+    """A module's parameters: its replicated part under data parallelism."""
+
+    params = True
+
+
+class BuffersOf(_ModulePart):
+    """A module's buffers and extra state: per-rank (BatchNorm statistics)."""
+
+    params = False
+
+
+@dataclass
+class StateClasses:
+    """The registered objects sorted by class, and the two views snapshots and heals use."""
+
+    kinds: dict[str, str] = field(default_factory=dict)   # object name -> class or "split"
+    replicated: dict[str, Any] = field(default_factory=dict)
+    per_rank: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def split(self) -> bool:
+        """Whether some state is replicated (else the per-rank view is every object)."""
+        return bool(self.replicated)
+
+    def describe(self) -> str:
+        return " ".join(f"{name}={kind}" for name, kind in sorted(self.kinds.items()))
+
+
+def _is_sharded(tensor: Any) -> bool:
+    return type(tensor).__name__ == "DTensor"
+
+
+def _ddp_wrapped(modules: Mapping[str, torch.nn.Module]) -> set[int]:
+    """ids of the registered plain modules that some live DDP wraps (one scan of the
+    garbage collector's objects, at start only)."""
+    wanted = {id(m) for m in modules.values()}
+    if not wanted:
+        return set()
+    # type(), not isinstance(): the latter reads __class__ of every object (deprecated
+    # module proxies warn)
+    return {id(obj.module) for obj in gc.get_objects()
+            if issubclass(type(obj), DistributedDataParallel) and id(obj.module) in wanted}
+
+
+def _optimizer_params(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in opt.param_groups:
+        yield from group["params"]
+
+
+def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = None,
+             *, data_parallel: bool = True) -> StateClasses:
+    """Sort ``objects`` (name -> registered object) into the state classes.
+
+    Inferred: a DDP module (registered as the DDP wrapper or as the module it wraps) has
+    replicated parameters and per-rank buffers; a module with ``DTensor`` parameters is
+    sharded; an optimizer is replicated when every parameter it updates is a replicated
+    module's, sharded when any is a ``DTensor``; everything else is per-rank.
+    ``declared`` (name -> class) overrides the inference for an object (a module declared
+    replicated still keeps its buffers per-rank). ``data_parallel=False`` (one rank):
+    nothing is replicated."""
+    declared = dict(declared or {})
+    for name, kind in declared.items():
+        if kind not in CLASSES:
+            raise ValueError(f"state {name!r} declared {kind!r}: use one of {list(CLASSES)}")
+        if name not in objects:
+            raise ValueError(f"state {name!r} is declared {kind!r} but not registered; "
+                             f"registered: {sorted(objects)}")
+    modules = {n: o for n, o in objects.items() if isinstance(o, torch.nn.Module)
+               and not isinstance(o, DistributedDataParallel)}
+    wrapped = _ddp_wrapped({n: m for n, m in modules.items() if n not in declared}) \
+        if data_parallel else set()
+    out = StateClasses()
+    replicated_params: set[int] = set()
+    for name, obj in objects.items():
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        if any(_is_sharded(p) for p in obj.parameters()):
+            kind = "sharded"
+        elif isinstance(obj, DistributedDataParallel) or id(obj) in wrapped:
+            kind = "replicated"
+        else:
+            kind = "per_rank"
+        kind = declared.get(name, kind)
+        if kind == "replicated" and data_parallel:
+            replicated_params.update(id(p) for p in obj.parameters())
+            out.replicated[name] = ParamsOf(obj)
+            buffers = BuffersOf(obj)
+            if buffers:
+                out.per_rank[name] = buffers
+            out.kinds[name] = "split" if buffers else "replicated"
+        else:
+            out.per_rank[name] = obj
+            out.kinds[name] = "per_rank" if kind == "replicated" else kind
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            continue
+        kind = "per_rank"
+        if isinstance(obj, torch.optim.Optimizer):
+            params = list(_optimizer_params(obj))
+            if any(_is_sharded(p) for p in params):
+                kind = "sharded"
+            elif params and all(id(p) in replicated_params for p in params):
+                kind = "replicated"
+        kind = declared.get(name, kind)
+        if kind == "replicated" and data_parallel:
+            out.replicated[name] = obj
+        else:
+            out.per_rank[name] = obj
+            kind = "per_rank" if kind == "replicated" else kind
+        out.kinds[name] = kind
+    log.info("event=state_classes %s", out.describe())
+    return out

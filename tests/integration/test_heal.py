@@ -1,0 +1,105 @@
+"""Healing from live peers over a real gloo group (``phalanx.runtime.worker.heal``), three
+ranks as three processes: the step rule when survivors are one step apart (the race of a
+rank that applied its optimizer step while another did not), the replicated state sent
+bit for bit into a replacement that holds none (a fresh optimizer without state), and the
+fall-back when no step can be healed at."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phalanx.runtime.group.collective import Collective
+from phalanx.runtime.snapshot.state_classes import classify
+from phalanx.runtime.worker import heal
+from tests.integration.two_ranks import Rank, on_ranks
+
+pytestmark = pytest.mark.integration
+STEP = 5        # survivors at STEP (optimizer not applied) or STEP + 1 (applied)
+
+
+def _trained(steps: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The same deterministic training on every rank: its replicated state after ``steps``."""
+    torch.manual_seed(seed)
+    # the 1024 x 1024 weight (4 MiB, and its Adam moments) is sent alone, the rest grouped
+    model = torch.nn.Sequential(torch.nn.Linear(8, 1024), torch.nn.BatchNorm1d(1024),
+                                torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=data)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def _state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[bytes]:
+    params = [p.detach().numpy().tobytes() for p in model.parameters()]
+    moments = [t.numpy().tobytes() for s in opt.state_dict()["state"].values()
+               for t in s.values() if isinstance(t, torch.Tensor)]
+    return params + moments
+
+
+def _heal_rank(rank: Rank, live: list[int], per_rank_steps: list[list[int]]) -> dict:
+    """One rank: its state at ``live[rank]`` (-1: a replacement, a different init and a
+    fresh optimizer); heal; return the agreed step and whether its replicated state now
+    equals the reference trained to that step."""
+    mine = live[rank.rank]
+    model, opt = _trained(mine) if mine >= 0 else _trained(0, seed=99)
+    classes = classify({"model": model, "optimizer": opt}, {"model": "replicated"})
+    assert set(classes.replicated) == {"model", "optimizer"}
+    assert set(classes.per_rank) == {"model"}          # the BatchNorm statistics
+    collective = Collective(rank.connect, rank=rank.rank, world_size=rank.world_size,
+                            timeout_s=20.0)
+    collective.form(0)
+    rank.keep(collective)
+
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        return collective.all_reduce(tensor, lambda: False)
+
+    def broadcast(tensor: torch.Tensor, src: int) -> None:
+        collective.wait(collective.start_broadcast(tensor, src), tensor, lambda: False)
+
+    agreement = heal.agree(rank=rank.rank, world=rank.world_size, live_step=mine,
+                           replicated=True, reduce=reduce,
+                           probe=lambda s: s in per_rank_steps[rank.rank])
+    if agreement.step is None:
+        return {"step": None, "equal": _state_bytes(model, opt) == _state_bytes(*_trained(mine))}
+    done = heal.finish(agreement, rank=rank.rank, world=rank.world_size, loaded=True,
+                       replicated=classes.replicated, reduce=reduce, broadcast=broadcast)
+    assert done is not None
+    holders, received = done
+    return {"step": agreement.step, "holders": list(holders), "received": received,
+            "equal": _state_bytes(model, opt) == _state_bytes(*_trained(agreement.step))}
+
+
+@pytest.mark.timeout(120)
+def test_ranks_a_step_apart_heal_forward_when_every_rank_has_the_newer_step() -> None:
+    # rank 0 applied step 5 (at 6), rank 1 did not (at 5), rank 2 replaces a lost rank
+    # whose per-rank snapshot of 6 exists: everyone ends at 6 with rank 0's state
+    out = on_ranks(_heal_rank, [STEP + 1, STEP, -1], [[STEP, STEP + 1]] * 3, world_size=3)
+    assert [o["step"] for o in out] == [STEP + 1] * 3
+    assert all(o["equal"] for o in out), out
+    assert out[0]["holders"] == [0] and out[0]["received"] == 0
+    assert out[1]["received"] > 0 and out[2]["received"] == out[1]["received"]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_ahead_is_reconciled_back_when_the_lost_rank_lacks_the_newer_step() -> None:
+    # the lost rank's per-rank state exists only for step 5: rank 0, which applied step
+    # 5, takes step 5's replicated state from rank 1 (which did not)
+    out = on_ranks(_heal_rank, [STEP + 1, STEP, -1], [[STEP, STEP + 1], [STEP], [STEP]],
+                   world_size=3)
+    assert [o["step"] for o in out] == [STEP] * 3
+    assert all(o["equal"] for o in out), out
+    assert out[1]["holders"] == [1] and out[0]["received"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_no_heal_when_no_survivor_holds_a_step_every_rank_can_restore() -> None:
+    # every survivor applied step 5 but the lost rank has only step 5's per-rank state:
+    # no live replica of step 5 exists; nobody changes anything (the ladder takes over)
+    out = on_ranks(_heal_rank, [STEP + 1, STEP + 1, -1], [[STEP, STEP + 1]] * 2 + [[STEP]],
+                   world_size=3)
+    assert [o["step"] for o in out] == [None] * 3
+    assert out[0]["equal"] and out[1]["equal"]

@@ -1,0 +1,92 @@
+"""State classes (``phalanx.runtime.snapshot.state_classes``): inferred from DDP, declared
+otherwise; the two views capture and apply with the ordinary snapshot code; and the heal's
+step rule (``phalanx.runtime.worker.heal``), pure."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from phalanx.runtime.snapshot.state_classes import BuffersOf, ParamsOf, classify
+from phalanx.runtime.snapshot.state_tree import RNGState, apply_state, flatten_state
+from phalanx.runtime.worker.heal import candidates, choose_step
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("register_wrapper", [True, False])
+def test_a_ddp_model_and_its_optimizer_are_replicated_and_buffers_per_rank(
+        one_rank_group: None, register_wrapper: bool) -> None:
+    inner = _model()
+    ddp = DistributedDataParallel(inner)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    objects = {"model": ddp if register_wrapper else inner, "optimizer": opt,
+               "scheduler": sched, "__rng__": RNGState()}
+    classes = classify(objects)
+    assert classes.kinds == {"model": "split", "optimizer": "replicated",
+                             "scheduler": "per_rank", "__rng__": "per_rank"}
+    assert isinstance(classes.replicated["model"], ParamsOf)
+    assert isinstance(classes.per_rank["model"], BuffersOf)
+    assert set(classes.per_rank) == {"model", "scheduler", "__rng__"}
+
+
+def test_without_ddp_or_declaration_nothing_is_replicated() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    classes = classify({"model": model, "optimizer": opt})
+    assert not classes.split and set(classes.per_rank) == {"model", "optimizer"}
+    declared = classify({"model": model, "optimizer": opt}, {"model": "replicated"})
+    assert declared.kinds == {"model": "split", "optimizer": "replicated"}
+    one_rank = classify({"model": model}, {"model": "replicated"}, data_parallel=False)
+    assert not one_rank.split
+
+
+def test_a_declaration_naming_an_unknown_object_or_class_is_refused() -> None:
+    with pytest.raises(ValueError, match="not registered"):
+        classify({"model": _model()}, {"modle": "replicated"})
+    with pytest.raises(ValueError, match="use one of"):
+        classify({"model": _model()}, {"model": "shared"})
+
+
+def test_the_views_round_trip_through_the_snapshot_code_without_touching_the_other_part() -> None:
+    source, target = _model(), _model()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)
+        source[1].running_mean.add_(3.0)
+    params_before = [p.clone() for p in target.parameters()]
+    tensors, spec = flatten_state({"model": BuffersOf(source)})
+    assert all("running" in n or "num_batches" in n for n in tensors)
+    apply_state({"model": BuffersOf(target)}, {n: t.clone() for n, t in tensors.items()}, spec)
+    assert torch.equal(target[1].running_mean, source[1].running_mean)
+    assert all(torch.equal(a, b) for a, b in zip(params_before, target.parameters()))
+    tensors, spec = flatten_state({"model": ParamsOf(source)})
+    apply_state({"model": ParamsOf(target)}, {n: t.clone() for n, t in tensors.items()}, spec)
+    assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
+
+
+def test_the_step_rule() -> None:
+    # replicated state: only survivors' live steps are candidates, newest first
+    assert candidates([6, 5, -1], replicated=True) == [6, 5]
+    assert candidates([-1, -1], replicated=True) == []
+    # without replicated state every rank restores: the newest few steps
+    assert candidates([6, 5, -1], replicated=False) == [6, 5, 4]
+    # forward when every rank has the newer step, back when one lacks it
+    assert choose_step([6, 5, -1], [[1, 1], [1, 1], [1, 1]], [6, 5], True) == 6
+    assert choose_step([6, 5, -1], [[1, 1], [1, 1], [0, 1]], [6, 5], True) == 5
+    # no survivor holds step 5 live: no heal
+    assert choose_step([6, 6, -1], [[1, 1], [1, 1], [0, 1]], [6, 5], True) is None
+    # without replicated state a step nobody holds live is fine
+    assert choose_step([6, 6, -1], [[1, 1], [1, 1], [0, 1]], [6, 5], False) == 5
