@@ -30,6 +30,7 @@ def _overrides(tier: Path, sleep_s: float = 0.05) -> tuple[str, ...]:
     lands long before its last step even on a loaded machine)."""
     return ("job.world_size=2", "spares.count=0", f"job.args.steps={STEPS}",
             f"job.args.sleep_per_step_s={sleep_s}", "tiers.disk.every_steps=10",
+            "snapshot.every_steps=1",   # tiers persist full snapshots: one every step
             "tiers.disk.keep=1", f"tiers.disk.path={tier}")
 
 

@@ -41,6 +41,7 @@ def test_a_resumed_run_restarted_before_its_first_commit_restores_the_resume_poi
     tier, runs = tmp_path / "tier", tmp_path / "runs"
     job = ("job.world_size=2", "spares.count=0", f"job.args.steps={STEPS}",
            "job.args.sleep_per_step_s=0.05", "tiers.disk.every_steps=5", "tiers.disk.keep=10",
+           "snapshot.every_steps=1",    # tiers persist full snapshots: one every step
            f"tiers.disk.path={tier}", "etcd.heartbeat_s=0.2", "detection.poll_interval_s=0.05")
     # run 1 trains with another learning rate than run 2's config: a resumed run restores
     # it with the optimizer's state, a run restarted from scratch would train with 0.05
