@@ -57,6 +57,7 @@ def test_scrape_of_a_drilled_demo_matches_its_events(tmp_path: Path,
     cmd = phalanx_command("configs/demo.yaml", f"drills.scenario={SCENARIO}",
                           "job.name=metrics", "job.args.steps=60",   # 6 s on after the kill
                           "job.args.sleep_per_step_s=0.15", f"metrics.port={port}",
+                          "snapshot.every_steps=1",   # the commit point follows the steps
                           run_root=tmp_path)
     with (tmp_path / "launch.out").open("w") as out, (tmp_path / "launch.err").open("w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err,
