@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -177,3 +178,49 @@ def du(path: Path) -> int:
             except OSError:
                 pass
     return total
+
+
+class Supervised:
+    """A run launched as one process tree (torchrun, torchft's supervisor) whose ranks write
+    ``<progress>/rank<r>.jsonl`` (``{"event": "start"|"step", "pid", "step", "attempt"}``):
+    watched for peak memory and, when ``fault_step`` is set, SIGKILLed at rank ``target``
+    once it completed that step of its first attempt."""
+
+    def __init__(self, progress: Path, world: int) -> None:
+        self._tails = {r: Tail(progress / f"rank{r}.jsonl") for r in range(world)}
+        self.world = world
+        self.code: int | None = None
+        self.peak = 0
+        self.processes = 0
+        self.killer: Killer | None = None
+
+    def latest(self, rank: int) -> tuple[int, int | None]:
+        """(the newest first-attempt step ``rank`` completed or -1, its newest pid)."""
+        records = self._tails[rank].read()
+        pid = next((r["pid"] for r in reversed(records) if r["event"] == "start"), None)
+        steps = [r["step"] for r in records if r["event"] == "step" and r["attempt"] == 0]
+        return (steps[-1] if steps else -1), pid
+
+    def run(self, cmd: list[str], cwd: Path, log_path: Path, timeout_s: float,
+            stop: Callable[[Any], None], fault_step: int | None = None,
+            target: int = 1) -> None:
+        """Run ``cmd`` to its end (or ``timeout_s``, then ``stop(proc)``: ``code`` None)."""
+        with open(log_path, "w", encoding="utf-8") as log:
+            proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            sampler = MemorySampler(proc.pid)
+            sampler.start()
+            if fault_step is not None:
+                self.killer = Killer(self.latest, self.world, fault_step, target)
+                self.killer.start()
+            try:
+                self.code = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.code = None
+                stop(proc)
+            finally:
+                if self.killer is not None:
+                    self.killer.stop()
+                self.peak = sampler.stop()
+                self.processes = sampler.processes

@@ -54,7 +54,7 @@ from torch.distributed import TCPStore  # noqa: E402
 from torchft import DistributedDataParallel, Manager, ProcessGroupGloo  # noqa: E402
 from torchft.optim import OptimizerWrapper  # noqa: E402
 
-from bench.torchrun_train import Job  # noqa: E402
+from bench.torchrun_train import Job, progress_recorder  # noqa: E402
 import train_mlp  # noqa: E402  (bench.torchrun_train put examples/ on the path)
 
 EXIT_NO_PEER = 3
@@ -105,14 +105,7 @@ def main() -> None:
     torch.set_num_threads(1)   # as the torchrun twin and phalanx's job.torch_threads default
     replica = args.replica
     attempt = int(os.environ.get("BENCH_TORCHFT_ATTEMPT", "0"))
-    args.progress.mkdir(parents=True, exist_ok=True)
-    out = open(args.progress / f"rank{replica}.jsonl", "a", buffering=1, encoding="utf-8")
-
-    def record(event: str, **fields: Any) -> None:
-        out.write(json.dumps({"event": event, "attempt": attempt, "t": time.time(),
-                              **fields}) + "\n")
-
-    record("start", pid=os.getpid(), since_exec_s=time.time() - STARTED)
+    record = progress_recorder(args.progress, replica, attempt, STARTED)
     # one rank per replica group: the group's own store, this process its master
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(pg=ProcessGroupGloo(timeout=TIMEOUT), load_state_dict=None,

@@ -130,6 +130,21 @@ def wait_saved(pending: Any) -> None:
     future.result()
 
 
+def progress_recorder(progress: Path, rank: int, attempt: int,
+                      started: float) -> Callable[..., None]:
+    """``record(event, **fields)``: one JSON line per event in ``<progress>/rank<r>.jsonl``
+    (what ``bench/run_watch.py``'s ``Supervised`` reads); records ``start`` at once."""
+    progress.mkdir(parents=True, exist_ok=True)
+    out = open(progress / f"rank{rank}.jsonl", "a", buffering=1, encoding="utf-8")
+
+    def record(event: str, **fields: Any) -> None:
+        out.write(json.dumps({"event": event, "attempt": attempt, "t": time.time(),
+                              **fields}) + "\n")
+
+    record("start", pid=os.getpid(), since_exec_s=time.time() - started)
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", required=True)
@@ -143,14 +158,7 @@ def main() -> None:
     torch.set_num_threads(1)   # as phalanx's job.torch_threads default: same kernels, same bits
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    args.progress.mkdir(parents=True, exist_ok=True)
-    out = open(args.progress / f"rank{rank}.jsonl", "a", buffering=1, encoding="utf-8")
-
-    def record(event: str, **fields: Any) -> None:
-        out.write(json.dumps({"event": event, "attempt": attempt, "t": time.time(),
-                              **fields}) + "\n")
-
-    record("start", pid=os.getpid(), since_exec_s=time.time() - STARTED)
+    record = progress_recorder(args.progress, rank, attempt, STARTED)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent_store)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from bench.recovery import tail
-from bench.run_watch import Killer, MemorySampler, Tail, json_lines, process_tree
+from bench.run_watch import Supervised, json_lines, process_tree
 from bench.torchft_run import LIGHTHOUSE_FLAGS, TorchftMissing, lighthouse_binary
 from bench.vs_torchrun_goodput import torchrun_goodput
 from bench.vs_torchrun_steps import regained, step_figures
@@ -61,37 +61,17 @@ def run_torchft(run: Any, work: Path, timeout_s: float,
     cmd = [sys.executable, str(ROOT / "bench" / "torchft_run.py"), "--replicas", str(run.world),
            "--max-restarts", str(MAX_RESTARTS), "--", "--job", run.job, "--job-args",
            json.dumps({**job_args, "steps": run.steps}), "--progress", str(prog)]
-    tails = {r: Tail(prog / f"rank{r}.jsonl") for r in range(run.world)}
-
-    def latest(rank: int) -> tuple[int, int | None]:
-        records = tails[rank].read()
-        pid = next((r["pid"] for r in reversed(records) if r["event"] == "start"), None)
-        steps = [r["step"] for r in records if r["event"] == "step" and r["attempt"] == 0]
-        return (steps[-1] if steps else -1), pid
-
+    watch = Supervised(prog, run.world)
     started = time.time()
     log_path = root / "torchft.log"
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        sampler = MemorySampler(proc.pid)
-        sampler.start()
-        killer = Killer(latest, run.world, run.fault_step, run.target)
-        killer.start()
-        try:
-            code: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
-            _stop(proc)
-        finally:
-            killer.stop()
-            peak = sampler.stop()
+    watch.run(cmd, root, log_path, timeout_s, _stop, run.fault_step, run.target)
+    code, peak, killer = watch.code, watch.peak, watch.killer
+    assert killer is not None
     wall = time.time() - started
     records = {r: json_lines(prog / f"rank{r}.jsonl") for r in range(run.world)}
     out = _measure(records, run, started, wall)
     out.update({"returncode": code, "peak_host_memory_bytes": peak,
-                "processes": sampler.processes})
+                "processes": watch.processes})
     errors = []
     if code is None:
         errors.append(f"timed out after {timeout_s:.0f} s (stopped with SIGTERM)")

@@ -69,7 +69,7 @@ if str(ROOT) not in sys.path:
 
 from bench.common import machine_info, progress, write_json  # noqa: E402
 from bench.recovery import HASH_RE, launch, med, phases_of, read_events, tail  # noqa: E402
-from bench.run_watch import (Killer, MemorySampler, Tail, du, free_port,  # noqa: E402
+from bench.run_watch import (Supervised, Killer, MemorySampler, Tail, du, free_port,  # noqa: E402
                              json_lines, process_tree)
 from bench.vs_torchrun_report import (SCALING_SYSTEMS, markdown, ms, plot,  # noqa: E402
                                       ratios_of, scaling_of, summarize, targets_of)
@@ -160,38 +160,16 @@ def run_torchrun(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
     if system.async_save:
         cmd.append("--async-save")
 
-    tails = {r: Tail(prog / f"rank{r}.jsonl") for r in range(run.world)}
-
-    def latest(rank: int) -> tuple[int, int | None]:
-        records = tails[rank].read()
-        pid = next((r["pid"] for r in reversed(records) if r["event"] == "start"), None)
-        steps = [r["step"] for r in records if r["event"] == "step" and r["attempt"] == 0]
-        return (steps[-1] if steps else -1), pid
-
+    watch = Supervised(prog, run.world)
     started = time.time()
     log_path = root / "torchrun.log"
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        sampler = MemorySampler(proc.pid)
-        sampler.start()
-        killer = Killer(latest, run.world, run.fault_step, TARGET_RANK) if system.faulted else None
-        if killer is not None:
-            killer.start()
-        try:
-            code: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
-            _stop_torchrun(proc)
-        finally:
-            if killer is not None:
-                killer.stop()
-            peak = sampler.stop()
+    watch.run(cmd, root, log_path, timeout_s, _stop_torchrun,
+              run.fault_step if system.faulted else None, TARGET_RANK)
+    code, peak, killer = watch.code, watch.peak, watch.killer
     wall = time.time() - started
     records = {r: json_lines(prog / f"rank{r}.jsonl") for r in range(run.world)}
     out: dict[str, Any] = {"returncode": code, "wall_s": round(wall, 3),
-                           "peak_host_memory_bytes": peak, "processes": sampler.processes,
+                           "peak_host_memory_bytes": peak, "processes": watch.processes,
                            "bytes_written": du(ckpt), "checkpoints": _checkpoints(ckpt)}
     rank0 = records[0]
     out.update(step_figures(   # the same windows in every run, faulted or not
