@@ -4,7 +4,8 @@ state of that step receive it from survivors' memory over the re-formed group.
 
 Runs on every rank of the new generation, after its group formed and before its first
 collective of training (``Session._recover`` for survivors, ``Session.start`` for a
-replacement); three tiny all-reduces and the broadcasts:
+replacement); three tiny all-reduces (live steps, availability, and after each rank loaded
+its per-rank state, whether every rank did) and the broadcasts:
 
 1. **live steps**: each rank says which step its replicated state is at (its completed
    steps, plus one if its optimizer already applied the step in flight; -1 for a
@@ -136,10 +137,10 @@ def send_replicated(objects: Mapping[str, Any], rank: int, holders: Sequence[int
     rank received. The tree spec travels as JSON bytes from the first holder. A large
     tensor is sent as itself (a holder's live tensor, received into the tensor the
     receiver applies): no staging copy on either side."""
-    header = _broadcast_bytes(_header(objects) if holds else b"", holders[0], broadcast)
-    spec, shapes = _parse_header(header)
+    tensors, own_spec = flatten_state(objects) if holds else ({}, {})
+    header = _header(tensors, own_spec) if holds else b""
+    spec, shapes = _parse_header(_broadcast_bytes(header, holders[0], broadcast))
     if holds:
-        tensors = dict(flatten_state(objects)[0])
         if sorted(tensors) != sorted(shapes):
             raise PhalanxError(f"rank {rank} holds replicated tensors {sorted(tensors)[:3]}... "
                                f"but holder {holders[0]} sent {sorted(shapes)[:3]}...")
@@ -161,8 +162,7 @@ def send_replicated(objects: Mapping[str, Any], rank: int, holders: Sequence[int
     return received
 
 
-def _header(objects: Mapping[str, Any]) -> bytes:
-    tensors, spec = flatten_state(objects)
+def _header(tensors: Mapping[str, torch.Tensor], spec: dict) -> bytes:
     codes = dtype_codes()
     shapes = {n: [list(t.shape), codes[t.dtype]] for n, t in tensors.items()}
     return json.dumps({"spec": spec, "tensors": shapes}, sort_keys=True).encode()
