@@ -40,6 +40,7 @@ class WorkerContext:
     keeper_port: int = 0
     snapshot_every: str = "1"          # an integer as text, or "auto"
     overhead_budget: float = 0.03
+    tier_windows: tuple[int, ...] = ()  # enabled tiers' every_steps (``SnapshotPolicy.windows``)
     checksum: str = "xxh3"
     secret_hex: str = field(default="", repr=False)
     # etcd TLS files, user and password file (``membership_etcd.client_fields``)
@@ -90,6 +91,7 @@ class WorkerContext:
                 raise ValueError(f"unknown fields {sorted(unknown)}")
             data["etcd_endpoints"] = tuple(data.get("etcd_endpoints", ()))
             data["drill_gates"] = tuple(data.get("drill_gates", ()))
+            data["tier_windows"] = tuple(data.get("tier_windows", ()))
             return cls(**data)
         except (ValueError, TypeError) as exc:
             raise ConfigError(ENV_KEY, f"cannot be parsed: {exc}",

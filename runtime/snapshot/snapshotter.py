@@ -56,6 +56,9 @@ MARK_BYTES = 64 << 20            # CUDA copies between two checksum-ready events
 class SnapshotPolicy:
     every_steps: int | str = 1          # an interval, or "auto"
     overhead_budget: float = 0.03
+    # the tiers' every_steps: a window of one of them with no capture yet makes its first
+    # step due whatever the interval, so a long auto interval never starves a tier
+    windows: tuple[int, ...] = ()
 
 
 class _CopyMarks:
@@ -212,6 +215,7 @@ class Snapshotter:
         self._helpers = ThreadPoolExecutor(self._workers - 1, thread_name_prefix=
                                            "phalanx-checksum") if self._workers > 1 else None
         self._control = _IntervalController(policy)
+        self._windows = tuple(w for w in policy.windows if w > 0)
         self._layout: SnapshotLayout | None = None
         self._maps: dict[str, mmap.mmap] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-snapshot")
@@ -297,8 +301,12 @@ class Snapshotter:
         self.stats.interval = self._agreed
 
     def due(self, step: int) -> bool:
+        """Whether ``step`` is snapshotted: the interval in force has passed since the last
+        capture, or ``step`` opens a tier window (``SnapshotPolicy.windows``) the last
+        capture is not in. Both depend only on steps, so every rank picks the same ones."""
         interval = self._control.interval if self._agreed is None else self._agreed
-        return step - self._last_capture_step >= interval
+        last = self._last_capture_step
+        return step - last >= interval or any(step // w > last // w for w in self._windows)
 
     def observe_step(self, seconds: float) -> None:
         self._control.observe_step(seconds)

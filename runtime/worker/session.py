@@ -260,7 +260,7 @@ class Session:
         every: int | str = "auto" if ctx.snapshot_every == "auto" else int(ctx.snapshot_every)
         self._snapshotter = Snapshotter(
             client, job=ctx.job, rank=ctx.rank, generation=ctx.generation,
-            secret=ctx.secret, policy=SnapshotPolicy(every, ctx.overhead_budget),
+            secret=ctx.secret, policy=SnapshotPolicy(every, ctx.overhead_budget, tuple(ctx.tier_windows)),
             checksum_algo=ctx.checksum)
         if self._snapshotter.auto and not ctx.standalone_run and ctx.world_size > 1:
             self._snapshotter.agree_interval(1)     # see _agree_interval

@@ -100,6 +100,29 @@ def test_snapshotter_due_counts_from_the_last_capture() -> None:
         snapshotter.close()
 
 
+def test_a_tier_window_without_a_capture_makes_its_first_step_due() -> None:
+    """With a long auto interval (here 40) and tiers every 10 and 25 steps, every tier
+    window still gets the snapshot at its first step; steps in between wait for the
+    interval. The rule reads only steps, so every rank picks the same ones."""
+    no_keeper: Any = None
+    snapshotter = Snapshotter(no_keeper, job="j", rank=0, generation=0, secret=None,
+                              policy=SnapshotPolicy("auto", 0.03, windows=(10, 25)),
+                              checksum_workers=1)
+    try:
+        snapshotter.observe_step(0.01)
+        snapshotter._control.observe_work(0.0079)      # 0.0079 * 1.5 / (0.03 * 0.01) -> 40
+        assert snapshotter.interval == 40
+        snapshotter.rewind(3)
+        taken = []
+        for step in range(4, 101):
+            if snapshotter.due(step):
+                taken.append(step)
+                snapshotter.rewind(step)                  # as a capture at ``step`` counts
+        assert taken == [10, 20, 25, 30, 40, 50, 60, 70, 75, 80, 90, 100]
+    finally:
+        snapshotter.close()
+
+
 def steady(control: _IntervalController, step_s: float, steps: int = 20) -> None:
     for _ in range(steps):
         control.observe_step(step_s)
