@@ -9,6 +9,10 @@ forward, and the forward then updates them from the rank's own batch), so buffer
 per-rank state and never compared. A rank's *replica digest* of a step is a 60-bit hash over those
 checksums (and the JSON trees of those objects); silent data corruption on one rank (a
 flipped bit in its parameters) shows as a digest that differs from the other ranks'.
+Sharded state is never compared either: a DTensor with a ``Shard`` placement (FSDP2
+parameters and their optimizer state) holds a different shard on each rank, so its local
+shard is left out and its spec node is compared without the rank's mesh coordinate. An
+FSDP2 job's digests then cover only its structure and agree, and its commit point moves on.
 
 Comparing without gathering every digest: each rank contributes
 
@@ -28,6 +32,7 @@ import json
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Iterable, Literal, Mapping, Sequence
 
+from phalanx.runtime.snapshot.dtensor import TAG as DTENSOR
 from phalanx.runtime.snapshot.state_tree import escape_segment
 
 REPLICAS_EXTRA = "replicas"      # the member record's ``extra`` key the session fills
@@ -50,14 +55,31 @@ def replica_digest(sums: Mapping[str, str], spec: Mapping[str, Any],
     if not present:
         return None
     prefixes = {escape_segment(name) for name in present}
+    sharded: set[str] = set()
+    trees = {name: _unsharded(objects[name], sharded) for name in present}
     digest = hashlib.blake2b(digest_size=8)
-    digest.update(json.dumps({name: objects[name] for name in present}, sort_keys=True,
-                             separators=(",", ":")).encode())
+    digest.update(json.dumps(trees, sort_keys=True, separators=(",", ":")).encode())
     for tensor, checksum in sorted(sums.items()):
-        if tensor.split("/", 1)[0] in prefixes and tensor not in per_rank:
+        if tensor.split("/", 1)[0] in prefixes and tensor not in per_rank \
+                and tensor not in sharded:
             digest.update(f"\n{tensor}={checksum}".encode())
     value = int.from_bytes(digest.digest(), "big") & ((1 << DIGEST_BITS) - 1)
     return f"{value:0{DIGEST_BITS // 4}x}"
+
+
+def _unsharded(node: Any, sharded: set[str]) -> Any:
+    """``node`` (a tree spec) as every rank of the group writes it: a DTensor node with a
+    ``Shard`` placement loses its ``coord`` (the rank's place in the mesh), and the name of
+    its local shard is added to ``sharded``."""
+    if isinstance(node, list):
+        return [_unsharded(item, sharded) for item in node]
+    if not isinstance(node, Mapping):
+        return node
+    if node.get("t") == DTENSOR and any(isinstance(p, Mapping) and "shard" in p
+                                        for p in node.get("placements") or ()):
+        sharded.add(str(node.get("name")))
+        return {k: v for k, v in node.items() if k != "coord"}
+    return {k: _unsharded(v, sharded) for k, v in node.items()}
 
 
 def _chunks(value: int) -> list[int]:

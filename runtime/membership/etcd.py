@@ -10,7 +10,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, TypedDict
+from typing import Any, Callable, Iterator, Mapping, TypedDict, TypeVar
 
 import etcd3
 import etcd3.events
@@ -23,6 +23,7 @@ from phalanx.runtime.base import (MEMBERS, KeyValue, MemberRecord, WatchEvent, d
                                   encode_member)
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _VENDOR_ERRORS = (grpc.RpcError, etcd3.exceptions.Etcd3Exception)
 _KEEPALIVE_JOIN_S = 2.0
@@ -249,6 +250,28 @@ class EtcdMembership:
         except Exception as exc:  # noqa: BLE001 - a dead member's channel; nothing to keep
             log.info("event=etcd_close_failed endpoint=%s error=%r", failed, exc)
 
+    def _call(self, op: str, key: str, call: Callable[[Any], _T],
+              again: Callable[[Any], _T] | None = None) -> _T:
+        """``call(client)`` on the member in use. When that member turns out unreachable
+        and the client fails over, the call is made once more on the next member
+        (``again`` if given: for a transaction whose first try may have landed), so a call
+        in flight on a member that dies does not fail its caller. Raises
+        ``MembershipUnavailable`` when the next member fails too, or there is none."""
+        client = self._conn()
+        try:
+            with self._translate(op, key):
+                return call(client)
+        except MembershipUnavailable:
+            with self._lock:
+                moved = len(self._endpoints) > 1 and self._client is not client \
+                    and not self._closed
+            if not moved:
+                raise
+        client = self._conn()
+        log.info("event=etcd_call_repeated op=%s key=%s endpoint=%s", op, key, self.endpoint)
+        with self._translate(op, key):
+            return (again or call)(client)
+
     @contextlib.contextmanager
     def _translate(self, op: str, key: str = "") -> Iterator[None]:
         client = self._client       # the connection the caller got from _conn()
@@ -266,11 +289,11 @@ class EtcdMembership:
 
     def join(self, member: MemberRecord, ttl_s: float) -> None:
         """Grant a lease of ``ceil(ttl_s)`` s, write our record under it, keep it alive."""
-        client = self._conn()
         self.leave()
         ttl = max(1, math.ceil(ttl_s))
-        with self._translate("lease grant"):
-            lease = client.lease(ttl)
+        # a grant repeated after a failover may leave the first one's lease behind: it
+        # holds nothing and expires after ttl
+        lease = self._call("lease grant", "", lambda client: client.lease(ttl))
         with self._lock:
             self._lease_id, self._lease_lost = lease.id, ""
             self._refreshed_at = time.monotonic()
@@ -318,13 +341,13 @@ class EtcdMembership:
 
     def put_leased(self, key: str, value: bytes) -> None:
         """Write ``key`` under our lease (it vanishes with us); raises ``LeaseLost``."""
-        client = self._conn()
         with self._lock:
             lease, lost = self._lease_id, self._lease_lost
         if lost or not lease:
             raise LeaseLost(f"key {key!r} holds no lease at {self.endpoint} "
                             f"({lost or 'not joined'}); join again")
-        with self._translate("put", key):
+
+        def put(client: Any) -> None:
             try:
                 client.put(self._prefix + key, value, lease=lease)
             except grpc.RpcError as exc:
@@ -333,6 +356,8 @@ class EtcdMembership:
                 self._mark_lost(lease, "lease not found on put")
                 raise LeaseLost(f"lease {lease:x} for {key!r} is gone at "
                                 f"{self.endpoint}; join again") from exc
+
+        self._call("put", key, put)
 
     def leave(self) -> None:
         """Stop the keepalive and revoke our lease: our member key disappears at once."""
@@ -419,58 +444,53 @@ class EtcdMembership:
     # -- plain keys -----------------------------------------------------------------------
 
     def put(self, key: str, value: bytes) -> None:
-        client = self._conn()
-        with self._translate("put", key):
-            client.put(self._prefix + key, value)
+        self._call("put", key, lambda client: client.put(self._prefix + key, value))
 
     def get(self, key: str) -> KeyValue | None:
-        client = self._conn()
-        with self._translate("get", key):
-            value, meta = client.get(self._prefix + key)
+        value, meta = self._call("get", key, lambda client: client.get(self._prefix + key))
         return None if meta is None else KeyValue(key, value, meta.mod_revision)
 
     def delete(self, key: str) -> None:
-        client = self._conn()
-        with self._translate("delete", key):
-            client.delete(self._prefix + key)
+        self._call("delete", key, lambda client: client.delete(self._prefix + key))
 
     def list_prefix(self, prefix: str) -> list[KeyValue]:
-        client = self._conn()
-        with self._translate("list", prefix):
-            resp = client.get_prefix_response(self._prefix + prefix, sort_order="ascend",
-                                              sort_target="key")
+        resp = self._call("list", prefix, lambda client: client.get_prefix_response(
+            self._prefix + prefix, sort_order="ascend", sort_target="key"))
         cut = len(self._prefix)
         return [KeyValue(kv.key.decode()[cut:], kv.value, kv.mod_revision) for kv in resp.kvs]
 
     def compare_and_swap(self, key: str, expected_revision: int, value: bytes) -> bool:
-        """One transaction: compare mod_revision (create_revision == 0 for "absent")."""
-        client = self._conn()
-        full = self._prefix + key
-        tx = client.transactions
-        compare = (tx.create(full) == 0) if expected_revision == 0 else \
-            (tx.mod(full) == expected_revision)
-        with self._translate("compare_and_swap", key):
-            succeeded, _ = client.transaction(compare=[compare], success=[tx.put(full, value)],
-                                              failure=[])
-        return bool(succeeded)
+        """One transaction: compare mod_revision (create_revision == 0 for "absent").
+        Repeated on the next member after a failover, where a compare that fails because
+        the first try landed before its member died reads ``key`` back: holding ``value``,
+        the swap is ours (values are the caller's own: a generation, a plan)."""
+        return self.put_if(key, expected_revision, {key: value})
 
     def put_if(self, key: str, expected_revision: int, writes: Mapping[str, bytes]) -> bool:
         """One transaction: every key of ``writes`` is written only if ``key``'s
         mod_revision is ``expected_revision`` (create_revision == 0 for "absent"); all or
-        none. Raises ``MembershipUnavailable`` (the writes may or may not have happened:
-        read back to tell)."""
+        none. After a failover it is repeated on the next member, and a failed compare
+        there counts as done when every key of ``writes`` holds its value (the first try
+        landed before its member died). Raises ``MembershipUnavailable`` (the writes may or
+        may not have happened: read back to tell)."""
         if not writes:
             raise ValueError(f"put_if on {key!r} needs at least one key to write")
-        client = self._conn()
         full = self._prefix + key
-        tx = client.transactions
-        compare = (tx.create(full) == 0) if expected_revision == 0 else \
-            (tx.mod(full) == expected_revision)
-        with self._translate("put_if", key):
+
+        def write(client: Any) -> bool:
+            tx = client.transactions
+            compare = (tx.create(full) == 0) if expected_revision == 0 else \
+                (tx.mod(full) == expected_revision)
             succeeded, _ = client.transaction(
                 compare=[compare], success=[tx.put(self._prefix + k, v) for k, v in writes.items()],
                 failure=[])
-        return bool(succeeded)
+            return bool(succeeded)
+
+        def again(client: Any) -> bool:
+            return write(client) or all(client.get(self._prefix + k)[0] == v
+                                        for k, v in writes.items())
+
+        return self._call("put_if", key, write, again)
 
     # -- watches and lifecycle ------------------------------------------------------------
 

