@@ -142,12 +142,6 @@ def test_kill_worker_drill_on_three_hosts_is_bit_identical(multihost: ClusterSer
 
 
 @pytest.mark.timeout(DRILL_TIMEOUT_S + 60)
-@pytest.mark.xfail(strict=False, reason=(
-    "known gap (issue 21 item 3), timing-dependent: the etcd client fails over for the next "
-    "call, but the call in flight on the lost member raises MembershipUnavailable "
-    "(UNAVAILABLE: Stream removed) and the launcher fails the job on it (seen on the "
-    "generation compare_and_swap); a keeper starting while the member dies did not start "
-    "within 60 s. Passes when no call is in flight on the killed member"))
 def test_one_etcd_member_of_three_lost_while_the_job_runs_changes_nothing(
         multihost: ClusterServices) -> None:
     """Member 0 (the first endpoint: the launcher and the keepers are connected to it) is
