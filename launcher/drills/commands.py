@@ -28,7 +28,8 @@ from phalanx.launcher.drills.chaos import chaos_scenario
 from phalanx.launcher.drills.report import (RunOutcome, build_report, console_rows, goodput_text,
                                             write_report)
 from phalanx.launcher.run_summary import read_summary
-from phalanx.launcher.drills.scenario import Scenario, load_scenario, parse_fault, parse_scenario
+from phalanx.launcher.drills.scenario import (Scenario, check_targets, load_scenario, parse_fault,
+                                             parse_scenario)
 from phalanx.launcher.events import read_events
 from phalanx.runtime.logs import current_format
 
@@ -111,7 +112,8 @@ def run_scenario(config: str, overrides: Sequence[str], scenario_path: str, cons
     overrides = [*scenario.override_args(), *overrides]
     with DrillServices(scenario, console) as services:
         overrides += services.overrides
-        load_config(config, overrides)           # bad input fails before any run
+        cfg = load_config(config, overrides)     # bad input fails before any run
+        check_targets(scenario, cfg.job.world_size, max(cfg.job.nodes, cfg.ray.virtual_nodes))
         console.print(f"drill {scenario.name}: {scenario.description}", markup=False)
         reference, source = (reference_hashes(config, overrides, console, fresh_reference)
                              if verify else (None, "none (run with --verify)"))

@@ -44,6 +44,21 @@ class Scenario:
         return [f"{key}={json.dumps(value)}" for key, value in self.overrides.items()]
 
 
+def check_targets(scenario: Scenario, world_size: int, nodes: int) -> None:
+    """Every fault's rank or node exists in the job the drill runs (``world_size`` ranks on
+    ``nodes`` nodes): a fault aimed at no rank would fire nothing and the drill would prove
+    nothing. Raises ``ConfigError`` naming the scenario, the fault's key, its target and
+    the job's size, before anything starts."""
+    for spec in scenario.faults:
+        for what, value, size, grow in (("rank", spec.rank, world_size, "job.world_size"),
+                                        ("node", spec.node, nodes, "job.nodes")):
+            if value is not None and value >= size:
+                raise ConfigError(f"faults[{spec.index}].target.{what}",
+                                  f"{what} {value} is not in the job ({size} {what}s)",
+                                  f"target a {what} in 0..{size - 1}, or drill a job with more "
+                                  f"{what}s (--set {grow}=...)", scenario.source)
+
+
 def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a drill file; raises ``ConfigError`` naming the file, key and the
     YAML line of the key."""

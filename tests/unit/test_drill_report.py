@@ -259,6 +259,16 @@ def test_unfired_fault_fails() -> None:
         "every fault fired: expected 1, measured 0 -> FAIL")
 
 
+def test_a_fault_whose_injection_raised_did_not_fire() -> None:
+    spec = FaultSpec("hang_worker", rank=2, at_step=20)
+    refused = {"event": "drill_fault", "time": T0 + 1, "index": 0, "kind": "hang_worker",
+               "step": 20, "details": {"error": "ConfigError: rank 2 has no running worker"}}
+    report = build_report(_Scenario("aimless", (spec,)), _ok(), None, "", [_started(), refused])
+    assert _row(report, "every fault fired")["text"] == (
+        "every fault fired: expected 1, measured 0 -> FAIL")
+    assert not report["passed"]
+
+
 def test_restore_source_and_detected_rows() -> None:
     scenario = _demo_scenario(restore_source="s3", detected="silent_corruption")
     report = build_report(scenario, _ok(), None, "", _demo_events())

@@ -11,7 +11,8 @@ import pytest
 from phalanx.configs.errors import ConfigError
 from phalanx.configs.loader import load_config
 from phalanx.launcher.drills.chaos import chaos_scenario, draw_faults
-from phalanx.launcher.drills.scenario import load_scenario, parse_scenario, probability_step
+from phalanx.launcher.drills.scenario import (check_targets, load_scenario, parse_scenario,
+                                             probability_step)
 from phalanx.launcher.drills.catalogue import FaultSpec, catalogue
 from phalanx.launcher.drills.injector import (GATE_QUORUM_S, INJECT_PREFIX, Deferred, Injector,
                                               gate_steps)
@@ -68,6 +69,21 @@ def test_bad_scenarios_name_the_key_value_and_fix(raw: dict, key: str, fragment:
         parse_scenario(raw, "drill.yaml")
     assert caught.value.key == key and fragment in str(caught.value), str(caught.value)
     assert "drill.yaml" in str(caught.value)
+
+
+@pytest.mark.parametrize("target, key, fragment", [
+    ({"rank": 2}, "faults[0].target.rank", "rank 2 is not in the job (2 ranks)"),
+    ({"node": 3}, "faults[0].target.node", "node 3 is not in the job (3 nodes)"),
+])
+def test_a_fault_aimed_outside_the_job_is_refused_before_it_runs(
+        target: dict, key: str, fragment: str) -> None:
+    kind = "kill_worker" if "rank" in target else "kill_node"
+    loaded = parse_scenario(scenario({**KILL, "kind": kind, "target": target}), "drill.yaml")
+    with pytest.raises(ConfigError) as caught:
+        check_targets(loaded, world_size=2, nodes=3)
+    assert caught.value.key == key and fragment in str(caught.value), str(caught.value)
+    assert "drill.yaml" in str(caught.value) and "--set job." in str(caught.value)
+    check_targets(loaded, world_size=4, nodes=4)         # the same faults fit a larger job
 
 
 def test_unreadable_scenario_file_names_the_path(tmp_path: Path) -> None:

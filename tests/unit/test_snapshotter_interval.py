@@ -180,3 +180,19 @@ def test_a_faster_than_plain_window_costs_nothing_rather_than_less() -> None:
     control.observe_step(0.004)
     control.observe_step(0.004)
     assert control.cost_s == pytest.approx(0.0005)
+
+
+def test_step_time_noise_alone_is_no_cost() -> None:
+    """Windows after captures that are as often 20 ms slower as 20 ms faster than a plain
+    step (noise on a loaded machine) average to no felt cost: the interval stays 1 for a
+    cheap snapshot. Clipping each window at 0 before averaging made the noise a cost of
+    ~10 ms and the interval ~8."""
+    control = _IntervalController(SnapshotPolicy("auto", 0.03))
+    steady(control, 0.060)
+    control.observe_work(0.0004)
+    for sign in (1, -1) * 10:
+        control.observe_capture(0.0004)
+        control.observe_step(0.060 + sign * 0.010)
+        control.observe_step(0.060 + sign * 0.010)
+    assert control.cost_s < 0.001
+    assert control.interval == 1
