@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 NODE_RESOURCE = "phalanx_node_{}"
 # Amount of the node resource each virtual node offers; an actor asks for a sliver of it.
 NODE_RESOURCE_UNITS = 1000
+START_ATTEMPTS = 3
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -109,13 +110,14 @@ class LocalRay:
         return len(self._nodes)
 
     def start(self) -> "LocalRay":
-        """Start the cluster; one more attempt from scratch when Ray's own start-up times
-        out (seen on a loaded 2-core machine: the GCS misses a node-info deadline)."""
-        for attempt in (1, 2):
+        """Start the cluster; up to ``START_ATTEMPTS`` attempts, each from scratch, when
+        Ray's own start-up times out (seen on a loaded 2-core machine: the GCS misses the
+        30 s node-info deadline Ray hard-codes; twice in a row once in CI)."""
+        for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 return self._start_once()
             except ServiceStartError as exc:
-                if attempt == 2:
+                if attempt == START_ATTEMPTS:
                     raise
                 log.warning("event=ray_start_retry error=%s", str(exc).splitlines()[0][:200])
         raise AssertionError("unreachable")

@@ -126,7 +126,9 @@ def test_a_job_is_deterministic_learns_commits_and_leaves_nothing_behind(
     assert second.returncode == 0, second.stderr
     assert "before the job's first step" in second.stderr
     assert "starting the job once more" in second.stderr
-    assert second.stderr.count("phalanx: run directory") == 2
+    # the lost start and the next (a second, unplanned loss on a starved 2-core machine
+    # makes a third: STARTUP_ATTEMPTS)
+    assert second.stderr.count("phalanx: run directory") in (2, 3)
     assert first.hashes == second.hashes
     torch.set_num_threads(1)
     assert first.hashes[0] == reference_hash(world=2, steps=60)
