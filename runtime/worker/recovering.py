@@ -22,7 +22,7 @@ from phalanx.runtime.membership.etcd import EtcdMembership
 from phalanx.runtime.membership.generation import Fenced, GenerationWatcher
 from phalanx.runtime.snapshot.restore import restore
 from phalanx.runtime.snapshot.snapshotter import Snapshotter
-from phalanx.runtime.snapshot.state_classes import StateClasses
+from phalanx.runtime.snapshot.state_classes import StateClasses, classify
 from phalanx.runtime.worker import heal
 from phalanx.runtime.worker.drill_hooks import write_memory_map
 from phalanx.runtime.worker.keeper_link import KeeperLink
@@ -58,8 +58,16 @@ class Rejoining:
     _stepped: set[int]
     _agreement: tuple[Any, torch.Tensor] | None
 
+    _declared: dict[str, str]
+    _classes: StateClasses | None
+
     def _state_classes(self) -> StateClasses:
-        raise NotImplementedError        # Session's
+        """The registered state's classes, inferred once (at the first capture or heal)."""
+        if self._classes is None:
+            ctx = self.context
+            self._classes = classify(self._objects, self._declared,
+                                     data_parallel=not ctx.standalone_run and ctx.world_size > 1)
+        return self._classes
 
     def _superseded(self, generation: int) -> Callable[[], bool]:
         watcher = self._watcher

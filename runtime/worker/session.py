@@ -50,7 +50,7 @@ from phalanx.runtime.worker.recovering import Rejoining
 from phalanx.runtime.consistency.digest import REPLICAS_EXTRA
 from phalanx.runtime.consistency.verify import ReplicaVerifier, per_rank_tensors, replicated_names
 from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter
-from phalanx.runtime.snapshot.state_classes import StateClasses, classify
+from phalanx.runtime.snapshot.state_classes import StateClasses
 from phalanx.runtime.snapshot.state_tree import (RNGState, assign_in_place, flatten_state,
                                                   object_kind)
 
@@ -286,14 +286,6 @@ class Session(Rejoining):
         if self._classes is not None:
             raise RuntimeError("declare() state classes before the first step")
         self._declared.update(kinds)
-
-    def _state_classes(self) -> StateClasses:
-        """The registered state's classes, inferred once (at the first capture or heal)."""
-        if self._classes is None:
-            ctx = self.context
-            self._classes = classify(self._objects, self._declared,
-                                     data_parallel=not ctx.standalone_run and ctx.world_size > 1)
-        return self._classes
 
     def _capture_per_rank(self) -> None:
         """Every step, when some state is replicated: the per-rank state alone (kilobytes)
