@@ -66,6 +66,14 @@ def wait_for_training(membership: EtcdMembership, proc: subprocess.Popen[bytes],
         time.sleep(0.5)
 
 
+def lease_count(endpoint: str) -> int:
+    """The leases etcd holds now (``etcdctl lease list``, shipped with the embedded etcd)."""
+    etcdctl = Path(sys.executable).parent / "etcdctl"
+    out = subprocess.run([str(etcdctl), f"--endpoints={endpoint}", "lease", "list"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return int(out.split()[1])      # "found N leases"
+
+
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     etcd = EmbeddedEtcd(work / "etcd").start()
     membership = EtcdMembership([etcd.endpoint], job_prefix("/phalanx", JOB)).connect()
@@ -85,6 +93,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             after, seconds = scrape(etcd.endpoint), time.monotonic() - started
             steps_after, watched = rank_steps(membership), tally.stop()
             members = membership.members()
+            leases = lease_count(etcd.endpoint)
             samples = {kv.key: kv.value.decode() for kv in membership.list_prefix("")
                        if kv.key in ("members/w1-g0", "keepers/node1", "commit")}
             if proc.poll() is not None:
@@ -101,13 +110,13 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     steps_per_s = {r: (steps_after.get(r, 0) - s) / seconds for r, s in steps_before.items()}
     classes = {name: {"events_per_s": c["events"] / seconds, "bytes_per_s": c["bytes"] / seconds}
                for name, c in watched["classes"].items()}
-    leases = {"ranks": sum(1 for m in members.values() if m.rank >= 0),
-              "keepers": sum(1 for m in members.values() if m.extra.get("role") == "keeper"),
-              "other": sum(1 for m in members.values()
-                           if m.rank < 0 and m.extra.get("role") != "keeper")}
+    records = {"ranks": sum(1 for m in members.values() if m.rank >= 0),
+               "keepers": sum(1 for m in members.values() if m.extra.get("role") == "keeper"),
+               "other": sum(1 for m in members.values()
+                            if m.rank < 0 and m.extra.get("role") != "keeper")}
     return {"world": args.world, "nodes": args.nodes, "window_s": seconds, "etcd": per_s,
             "samples": samples, "watch": classes, "launcher_events": watched["event_names"],
-            "steps_per_s": steps_per_s, "members": leases,
+            "steps_per_s": steps_per_s, "members": records, "leases": leases,
             "command": " ".join(cmd[:5]) + " " + " ".join(f"--set '{c}'" for c in cmd[6::2]),
             "machine": machine_info()}
 
@@ -116,7 +125,8 @@ def report(result: dict[str, Any]) -> str:
     etcd, steps = result["etcd"], result["steps_per_s"]
     mean_steps = sum(steps.values()) / max(1, len(steps))
     lines = [f"world {result['world']} on {result['nodes']} nodes, {result['window_s']:.1f} s "
-             f"window, {mean_steps:.2f} steps/s per rank; leases held: {result['members']}", "",
+             f"window, {mean_steps:.2f} steps/s per rank; member records: {result['members']}; "
+             f"etcd leases held: {result['leases']}", "",
              markdown_table(["what", "per s"], [
                  ["keys written (etcd_mvcc_put_total)", etcd["puts"]],
                  ["transactions", etcd["txns"]], ["deletes", etcd["deletes"]],

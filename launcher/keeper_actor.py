@@ -18,6 +18,7 @@ from phalanx.runtime.base import per_rank_channel
 from phalanx.runtime.logs import DEFAULT_FORMAT, bind_fields, configure_logging
 from phalanx.runtime.node import node_keeper
 from phalanx.runtime.keeper.fence import KeeperFence
+from phalanx.runtime.keeper.members import NodeMembers
 from phalanx.runtime.keeper.memory_plan import MemoryPlan
 from phalanx.runtime.keeper.reporter import (KeeperReporter, keeper_member, read_commit_point,
                                              report_from_keeper)
@@ -53,7 +54,8 @@ class KeeperActor:
         self._lock = threading.Lock()
         self._fence = 0
         secret = bytes.fromhex(secret_hex)
-        self._keeper = node_keeper(node, cfg.job.name, secret,
+        self._members = NodeMembers()     # the node's ranks' records, under our one lease
+        self._keeper = node_keeper(node, cfg.job.name, secret, members=self._members,
                                    shm_dir=cfg.snapshot.shm_dir, slots=cfg.snapshot.slots,
                                    bind_host=keeper_bind_host(cfg.replication.bind_host),
                                    generation_check=lambda generation: generation >= self._fence,
@@ -76,7 +78,8 @@ class KeeperActor:
             self._membership, node, self._report, cfg.etcd.heartbeat_s, cfg.etcd.lease_ttl_s,
             keeper_member(node, self._keeper.address, os.getpid()),
             on_commit=self._keeper.note_committed,
-            fenced=lambda: not self._write_fence.may_write() and self._write_fence.fenced).start()
+            fenced=lambda: not self._write_fence.may_write() and self._write_fence.fenced,
+            members=self._members).start()
         tiers = tier_specs(cfg, run_dir)
         self._persister = None
         if tiers and local_ranks:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, NewType, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Mapping, NewType, Protocol, runtime_checkable
 
 Rank = NewType("Rank", int)
 NodeId = NewType("NodeId", str)
@@ -142,6 +142,8 @@ def node_index(node: str) -> int:
 
 
 MEMBERS = "members/"          # member records live under <job prefix>/members/<worker-id>
+KEEPERS = "keepers/"          # each node keeper's report (and its ranks' records): keepers/<node>
+NODE_MEMBERS = "members"      # the field of a keeper's report holding its ranks' records
 
 
 def encode_member(member: MemberRecord) -> bytes:
@@ -151,9 +153,34 @@ def encode_member(member: MemberRecord) -> bytes:
 
 def decode_member(raw: bytes) -> MemberRecord:
     """The inverse of ``encode_member``; fields unknown to this version are ignored."""
-    data = json.loads(raw)
+    return member_from(json.loads(raw))
+
+
+def member_from(data: Mapping[str, Any]) -> MemberRecord:
+    """A member record from its decoded JSON object; unknown fields are ignored."""
     known = {f.name for f in dataclasses.fields(MemberRecord)}
     return MemberRecord(**{k: v for k, v in data.items() if k in known})
+
+
+def member_table(own: Iterable[KeyValue], keepers: Iterable[KeyValue]) -> dict[str, MemberRecord]:
+    """The member table from both places a record lives: ``members/<worker>`` (a record
+    under its writer's own lease: keepers, a rank whose keeper is gone) and the ``members``
+    field of each ``keepers/<node>`` report (the node's ranks, under the keeper's one lease
+    and heartbeat per node). A rank found in both (moving between them) counts by its
+    newest record (``extra.time``)."""
+    table = {kv.key[len(MEMBERS):]: decode_member(kv.value) for kv in own}
+    for kv in keepers:
+        rows = json.loads(kv.value).get(NODE_MEMBERS) or {}
+        for worker_id, data in rows.items():
+            record, held = member_from(data), table.get(worker_id)
+            if held is None or _written_at(record) >= _written_at(held):
+                table[worker_id] = record
+    return table
+
+
+def _written_at(record: MemberRecord) -> float:
+    written = record.extra.get("time")
+    return float(written) if isinstance(written, (int, float)) else 0.0
 
 
 @runtime_checkable

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+from phalanx.runtime.base import NODE_MEMBERS
 
 
 COMMIT_KEY = "commit"
@@ -40,12 +42,16 @@ class KeeperReport:
     replicas: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     bytes_held: int = 0
     generation: int = 0
+    # the node's ranks' member records (worker id -> record as JSON), published under the
+    # keeper's lease: one lease and one heartbeat per node (``phalanx.runtime.keeper.members``)
+    members: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps({"node": self.node, "address": list(self.address),
                            "local": {str(r): list(s) for r, s in self.local.items()},
                            "replicas": {str(r): list(s) for r, s in self.replicas.items()},
-                           "bytes_held": self.bytes_held, "generation": self.generation},
+                           "bytes_held": self.bytes_held, "generation": self.generation,
+                           NODE_MEMBERS: dict(self.members)},
                           sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -55,7 +61,8 @@ class KeeperReport:
                    local={int(r): tuple(int(x) for x in s) for r, s in raw["local"].items()},
                    replicas={int(r): tuple(int(x) for x in s) for r, s in raw["replicas"].items()},
                    bytes_held=int(raw.get("bytes_held", 0)),
-                   generation=int(raw.get("generation", 0)))
+                   generation=int(raw.get("generation", 0)),
+                   members=dict(raw.get(NODE_MEMBERS) or {}))
 
 
 def gate(step: int, verified: int | None) -> int:

@@ -14,12 +14,16 @@ from typing import Any
 
 from phalanx.configs.errors import ConfigError
 from phalanx.runtime.keeper.daemon import Keeper
+from phalanx.runtime.keeper.members import NodeMembers
 from phalanx.runtime.replication.receiver import ReplicaReceiver
 
 
-def node_keeper(node: str, job: str, secret: bytes, *args: Any, **kwargs: Any) -> Keeper:
-    """A ``Keeper`` (same arguments) that also receives replicas from its peers."""
-    return Keeper(node, job, secret, *args, ops=ReplicaReceiver().ops(), **kwargs)
+def node_keeper(node: str, job: str, secret: bytes, *args: Any,
+                members: NodeMembers | None = None, **kwargs: Any) -> Keeper:
+    """A ``Keeper`` (same arguments) that also receives replicas from its peers and, given
+    ``members``, holds its node's ranks' member records for its reporter."""
+    ops = {**ReplicaReceiver().ops(), **(members.ops() if members is not None else {})}
+    return Keeper(node, job, secret, *args, ops=ops, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,7 +77,9 @@ class Keeper:
         self._departed: dict[tuple[str, int], int] = {}
         self._publish_listeners: list[Callable[[], None]] = []
         self._ops = dict(ops or {})       # served through the op port (e.g. replication's)
-        self._write_ops = _WRITE_OPS | set(self._ops)   # every registered op is fenced
+        # every registered op is fenced unless it says otherwise (``wire.Unfenced``)
+        self._write_ops = _WRITE_OPS | {name for name, op in self._ops.items()
+                                        if getattr(op, "fenced", True)}
         self._server = FrameServer(bind_host, port, secret=secret, job=job, handler=self._handle,
                                    generation_check=generation_check, timeout_s=timeout_s,
                                    max_payload=max_payload, name=f"keeper-{node}")

@@ -1,19 +1,21 @@
 """Publishes what a node keeper holds as one leased etcd key per node (``keepers/<node>``),
-refreshed at the heartbeat: the keeper's liveness and the input of the global commit. At
-the same heartbeat it reads the global commit back (``commit``) for the keeper's workers.
-etcd load grows with nodes, never with steps x ranks."""
+refreshed at the heartbeat: the keeper's liveness, the input of the global commit and its
+node's ranks' member records (``phalanx.runtime.keeper.members``: one lease and one write per
+node per heartbeat). At the same heartbeat it reads the global commit back (``commit``) for
+the keeper's workers. etcd load grows with nodes, never with steps x ranks."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any, Callable
 
 from phalanx.configs.errors import LeaseLost, MembershipUnavailable
-from phalanx.runtime.base import MemberRecord, Membership, is_channel
+from phalanx.runtime.base import KEEPERS, MemberRecord, Membership, is_channel
 from phalanx.runtime.commit import COMMIT_KEY, KeeperReport, committed_from
+from phalanx.runtime.keeper.members import NodeMembers
 
 log = logging.getLogger(__name__)
-KEEPERS = "keepers/"
 
 
 def keeper_member(node: str, address: tuple[str, int], pid: int) -> MemberRecord:
@@ -33,8 +35,10 @@ class KeeperReporter:
     def __init__(self, membership: Membership, node: str, snapshot: Callable[[], KeeperReport],
                  heartbeat_s: float, ttl_s: float, member: MemberRecord,
                  on_commit: Callable[[int], None] | None = None,
-                 fenced: Callable[[], bool] = lambda: False) -> None:
+                 fenced: Callable[[], bool] = lambda: False,
+                 members: NodeMembers | None = None) -> None:
         self._membership = membership
+        self._members = members
         self._fenced = fenced
         self._on_commit = on_commit
         self._node = node
@@ -62,7 +66,7 @@ class KeeperReporter:
         self._membership.leave()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._heartbeat_s):
+        while not self._wait():
             if self._fenced():      # replaced while cut off: it must stay silent
                 continue
             try:
@@ -77,6 +81,16 @@ class KeeperReporter:
             except Exception as exc:  # thread boundary: report and keep reporting
                 log.exception("event=keeper_report_error node=%s error=%r", self._node, exc)
 
+    def _wait(self) -> bool:
+        """Until the next heartbeat, or sooner when a rank's beat asked to be published at
+        once (its first record, entering a long ``busy`` block); True once stopped."""
+        if self._members is None:
+            return self._stop.wait(self._heartbeat_s)
+        urgent = self._members.urgent
+        urgent.wait(self._heartbeat_s)
+        urgent.clear()
+        return self._stop.is_set()
+
     def _rejoin(self) -> None:
         self._last = b""
         try:
@@ -86,10 +100,17 @@ class KeeperReporter:
             log.warning("event=keeper_rejoin_failed node=%s error=%s", self._node, exc)
 
     def _publish(self) -> None:
-        data = self._snapshot().to_json()
+        report = self._snapshot()
+        versions: dict[str, int] = {}
+        if self._members is not None:
+            rows, versions = self._members.current()
+            report = dataclasses.replace(report, members=rows)
+        data = report.to_json()
         if data != self._last:
             self._membership.put_leased(KEEPERS + self._node, data)
             self._last = data
+        if self._members is not None:
+            self._members.published(versions)
         if self._on_commit is not None:
             self._on_commit(read_commit_point(self._membership))
 

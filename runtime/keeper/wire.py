@@ -66,6 +66,19 @@ class OpHandler(Protocol):
     def __call__(self, keeper: Any, request: Request) -> Reply: ...
 
 
+class Unfenced:
+    """An op of the op port that a caller of any generation may use (a rank's member beat:
+    whose record counts is the launcher's judgement); every other registered op is fenced."""
+
+    fenced = False
+
+    def __init__(self, op: Callable[[Any, Request], Reply]) -> None:
+        self._op = op
+
+    def __call__(self, keeper: Any, request: Request) -> Reply:
+        return self._op(keeper, request)
+
+
 def handle(keeper: _Served, request: Request,
            ops: Mapping[str, OpHandler] | None = None) -> Reply:
     """Run one op for a connection thread, the keeper's own or one registered through the
@@ -286,6 +299,17 @@ class KeeperClient:
 
     def stats(self) -> dict[str, int]:
         return {k: v for k, v in self._call({"op": "stats"}).items() if k not in ("ok", "nbytes")}
+
+    def member_beat(self, worker_id: str, record: bytes | None, ttl_s: float,
+                    join: bool = False, urgent: bool = False) -> dict[str, bool]:
+        """Hand the keeper this rank's member record (None: unchanged, still alive); see
+        ``phalanx.runtime.keeper.members``. Answers ``known`` and ``published``."""
+        reply = self._call({"op": "member_beat", "worker": worker_id, "ttl_s": ttl_s,
+                            "join": join, "urgent": urgent}, record)
+        return {"known": bool(reply.get("known")), "published": bool(reply.get("published"))}
+
+    def member_leave(self, worker_id: str) -> None:
+        self._call({"op": "member_leave", "worker": worker_id})
 
     def drop(self, rank: int | None, below_step: int | None = None,
              above_step: int | None = None) -> dict[str, list[int]]:

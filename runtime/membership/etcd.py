@@ -19,8 +19,8 @@ import grpc
 
 from phalanx.configs.errors import ConfigError, LeaseLost, MembershipUnavailable
 from phalanx.configs.schema import EtcdConfig
-from phalanx.runtime.base import (MEMBERS, KeyValue, MemberRecord, WatchEvent, decode_member,
-                                  encode_member)
+from phalanx.runtime.base import (KEEPERS, MEMBERS, KeyValue, MemberRecord, WatchEvent,
+                                  encode_member, member_table)
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -375,8 +375,7 @@ class EtcdMembership:
             log.info("event=member_left lease=%x endpoint=%s", lease, self.endpoint)
 
     def members(self) -> dict[str, MemberRecord]:
-        return {kv.key[len(MEMBERS):]: decode_member(kv.value)
-                for kv in self.list_prefix(MEMBERS)}
+        return member_table(self.list_prefix(MEMBERS), self.list_prefix(KEEPERS))
 
     def _start_keepalive(self, lease_id: int, ttl: int, worker_id: str) -> None:
         stop = threading.Event()

@@ -31,6 +31,12 @@ class Activity:
     def enter_step(self) -> None:
         self._in_step = True
 
+    def completing(self, step_s: float) -> None:
+        """The step's work is done and its index is about to advance: its time is known
+        first, so no record shows the new step with the previous step's time (the stall
+        detector learns step times from the record that first shows a step)."""
+        self._step_s = step_s
+
     def leave_step(self, completed_s: float | None) -> None:
         """The step ended; ``completed_s`` its wall time, None when it did not complete (a
         recovery rolled it back: its time is no step time)."""

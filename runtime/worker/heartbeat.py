@@ -1,18 +1,35 @@
-"""A rank's heartbeat: one thread that keeps the rank's member record in etcd fresh (its
-progress, at most once per ``heartbeat_s`` or at once when woken), rejoins under a new lease
-when etcd lost the old one, and stays silent for good once the job gave the rank to
-another worker (a worker cut off and replaced must not write after the fence)."""
+"""A rank's heartbeat: one thread that keeps the rank's member record fresh (its progress,
+at most once per ``heartbeat_s`` or at once when woken) through its node keeper, which
+publishes its node's records under one lease (``phalanx.runtime.worker.member_relay``),
+joins again when the record was lost (the keeper dropped it after a silence, or etcd lost
+the rank's own lease), and stays silent for good once the job gave the rank to another
+worker (a worker cut off and replaced must not write after the fence)."""
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from phalanx.configs.errors import LeaseLost, MembershipUnavailable
-from phalanx.runtime.base import MemberRecord, Membership
+from phalanx.runtime.base import KeyValue, MemberRecord
 from phalanx.runtime.membership.generation import GENERATION_KEY, GenerationPlan, plan_key
 
 log = logging.getLogger(__name__)
+
+
+class Reads(Protocol):
+    def get(self, key: str) -> KeyValue | None: ...
+
+
+class MemberChannel(Reads, Protocol):
+    """Where the rank's record goes (``phalanx.runtime.worker.member_relay.MemberRelay``:
+    its node keeper, or its own lease while the keeper is away)."""
+
+    @property
+    def lease_lost(self) -> str: ...
+    def join(self, member: MemberRecord, ttl_s: float) -> None: ...
+    def update(self, member: MemberRecord, urgent: bool = False) -> None: ...
+    def touch(self) -> None: ...
 
 
 class Heartbeat:
@@ -20,7 +37,7 @@ class Heartbeat:
     from the last beat, makes a beat write; ``generation()`` the rank's generation.
     ``stop`` ends the thread (shared with the session); ``wake`` beats at once."""
 
-    def __init__(self, membership: Membership, rank: int, worker_id: str,
+    def __init__(self, membership: MemberChannel, rank: int, worker_id: str,
                  record: Callable[[], MemberRecord], changed: Callable[[], Any],
                  generation: Callable[[], int], heartbeat_s: float, ttl_s: float,
                  stop: threading.Event, wake: threading.Event) -> None:
@@ -45,15 +62,18 @@ class Heartbeat:
         which puts the record back."""
         last = None
         while not self._stop.is_set():
-            self._wake.wait(self._heartbeat_s)
+            woken = self._wake.wait(self._heartbeat_s)
             self._wake.clear()
             current = self._changed()
             if self._membership.lease_lost:     # etcd lost it: the record goes back with it
                 last = current if self._rejoin() else None
-            if current == last or self._stop.is_set():
+            if self._stop.is_set():
                 continue
             try:
-                self._membership.update(self._record())
+                if current == last:
+                    self._membership.touch()    # alive: the keeper holds our record on
+                    continue
+                self._membership.update(self._record(), urgent=woken)
                 last = current
             except LeaseLost as exc:
                 log.warning("event=member_lease_lost rank=%d error=%s", self._rank, exc)
@@ -86,7 +106,7 @@ class Heartbeat:
         return True
 
 
-def is_fenced(membership: Membership, generation: int, rank: int, worker_id: str) -> bool:
+def is_fenced(membership: Reads, generation: int, rank: int, worker_id: str) -> bool:
     """Has the job moved to a generation whose plan gives ``rank`` to another worker (this
     one was cut off and replaced)? Reads etcd; raises MembershipUnavailable."""
     current = membership.get(GENERATION_KEY)

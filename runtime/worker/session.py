@@ -41,6 +41,7 @@ from phalanx.runtime.worker.accumulation import AccumulationGuard
 from phalanx.runtime.worker.activity import Activity
 from phalanx.runtime.worker.data import LoaderPosition
 from phalanx.runtime.worker.heartbeat import Heartbeat
+from phalanx.runtime.worker.member_relay import MemberRelay
 from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address
 from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
@@ -160,6 +161,8 @@ class Session(Rejoining):
         self._membership: EtcdMembership | None = None
         self._watcher: GenerationWatcher | None = None
         self._heartbeat: Heartbeat | None = None
+        self._members: MemberRelay | None = None     # the rank's record, via its keeper
+        self._members_opened = False
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._activity = Activity(self.context.heartbeat_s / 2, self._wake.set)
@@ -209,9 +212,10 @@ class Session(Rejoining):
         if self.generation == ctx.generation:
             self._restore_at_start()
         if self._membership is not None:
-            self._membership.join(self._record(), ctx.lease_ttl_s)
+            self._members = MemberRelay(self._membership, ctx.worker_id, self._member_keeper)
+            self._members.join(self._record(), ctx.lease_ttl_s)
             self._heartbeat = Heartbeat(
-                self._membership, ctx.rank, ctx.worker_id, self._record, self._beat_state,
+                self._members, ctx.rank, ctx.worker_id, self._record, self._beat_state,
                 lambda: self.generation, ctx.heartbeat_s, ctx.lease_ttl_s, self._stop,
                 self._wake).start()
         if ctx.drills and ctx.run_dir:   # registered tensors' addresses, for corrupt_params
@@ -264,6 +268,21 @@ class Session(Rejoining):
                                              per_rank_tensors(self._objects, names))
         for obj in self._objects.values():
             self._hook_optimizer(obj)
+
+    def _member_keeper(self) -> KeeperClient | None:
+        """A client of the node keeper that relays the rank's member record: the one the
+        rank was started with, then the one etcd names (a replacement); None without one.
+        Beats are tiny and local: a keeper that does not answer within a third of the lease
+        TTL is taken for gone (the rank then holds its own lease)."""
+        ctx = self.context
+        if not ctx.keeper_port:
+            return None
+        address = (ctx.keeper_host, ctx.keeper_port) if not self._members_opened else \
+            keeper_address(self._membership, ctx.node)
+        self._members_opened = True
+        if address is None:
+            return None
+        return self._open_keeper(*address, timeout_s=max(0.5, ctx.lease_ttl_s / 3))
 
     def _open_keeper(self, host: str, port: int, timeout_s: float | None = None) -> KeeperClient:
         ctx = self.context
@@ -371,12 +390,16 @@ class Session(Rejoining):
             self._watcher = None
         if self._membership is not None:
             try:
-                self._membership.update(self._record(state="finished"))
-                # a plain key that outlives our lease: "left on purpose", not a lost lease
+                if self._members is not None:
+                    self._members.update(self._record(state="finished"), urgent=True)
+                # a plain key that outlives our record: "left on purpose", not a lost lease
                 self._membership.put(f"{FINISHED_PREFIX}{self.context.worker_id}",
                                      str(self._progress.step_index).encode())
             except (MembershipUnavailable, LeaseLost) as exc:
                 log.warning("event=final_progress_lost rank=%d error=%s", self.rank, exc)
+            if self._members is not None:
+                self._members.close()
+                self._members = None
             self._membership.close()
             self._membership = None
         bind_fields(rank=self.rank, generation=self.generation)   # the last, not the session
@@ -544,9 +567,11 @@ class Session(Rejoining):
             snapshotter.judge_if_copied()
             if self._rank_snapshotter is not None:
                 self._rank_snapshotter.judge_if_copied()
+        seconds = time.perf_counter() - started
+        self._activity.completing(seconds)
         self._progress.step_index += 1
         self._stepped.clear()           # (their step is now the completed one)
-        self._log_step(self._progress.step_index - 1, time.perf_counter() - started)
+        self._log_step(self._progress.step_index - 1, seconds)
         if self._awaiting_first_step:  # the first step of a new generation: report it now
             self._awaiting_first_step = False
             self._first_step_at = time.time()

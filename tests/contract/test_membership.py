@@ -1,6 +1,7 @@
 """The ``Membership`` contract, run against the in-memory fake and a real etcd."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Callable
@@ -8,7 +9,8 @@ from typing import Callable
 import pytest
 
 from phalanx.configs.errors import LeaseLost, MembershipUnavailable
-from phalanx.runtime.base import Membership, MemberRecord, WatchEvent
+from phalanx.runtime.base import KEEPERS, Membership, MemberRecord, WatchEvent, encode_member
+from phalanx.runtime.commit import KeeperReport
 from tests.plugins.etcd import MembershipFactory
 
 pytestmark = pytest.mark.contract
@@ -251,3 +253,27 @@ def test_put_if_writes_plan_and_generation_together_or_neither(
     assert stale.put_if("fresh", 0, {"fresh": b"1", "plan/00000003": b"y"})   # 0: absent
     assert not stale.put_if("fresh", 0, {"plan/00000004": b"z"})
     assert stale.get("plan/00000004") is None
+
+
+@pytest.mark.timeout(20)
+def test_a_node_keepers_ranks_are_members_and_the_newest_record_of_a_rank_counts(
+        membership_factory: MembershipFactory) -> None:
+    """The ranks a keeper publishes in its ``keepers/<node>`` report (one lease per node)
+    are members like those under their own lease; a rank in both counts by its newest
+    record (it is moving between them)."""
+    keeper, own, reader = membership_factory(), membership_factory(), membership_factory()
+    keeper.join(MemberRecord("keeper.node0", -1, "node0", extra={"role": "keeper"}), ttl_s=5)
+    relayed = {w: json.loads(encode_member(MemberRecord(w, r, "node0", step=7,
+                                                        extra={"time": 20.0})))
+               for w, r in (("w0", 0), ("w1", 1))}
+    keeper.put_leased(KEEPERS + "node0", KeeperReport("node0", ("h", 1), members=relayed).to_json())
+    own.join(MemberRecord("w1", 1, "node0", step=6, extra={"time": 10.0}), ttl_s=5)
+
+    table = reader.members()
+
+    assert set(table) == {"keeper.node0", "w0", "w1"}
+    assert table["w0"].step == 7 and table["w1"].step == 7     # the keeper's is newer
+    own.update(MemberRecord("w1", 1, "node0", step=8, extra={"time": 30.0}))
+    assert reader.members()["w1"].step == 8
+    keeper.leave()                                             # the node's lease ends
+    assert set(reader.members()) == {"w1"}

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from phalanx.configs.errors import LeaseLost, MembershipUnavailable
-from phalanx.runtime.base import (MEMBERS, KeyValue, MemberRecord, WatchEvent, decode_member,
-                                  encode_member)
+from phalanx.runtime.base import (KEEPERS, MEMBERS, KeyValue, MemberRecord, WatchEvent,
+                                  encode_member, member_table)
 
 log = logging.getLogger(__name__)
 
@@ -311,8 +311,7 @@ class InMemoryMembership:
 
     def members(self) -> dict[str, MemberRecord]:
         self._check_open("members")
-        return {kv.key[len(MEMBERS):]: decode_member(kv.value)
-                for kv in self.store.list_prefix(MEMBERS)}
+        return member_table(self.store.list_prefix(MEMBERS), self.store.list_prefix(KEEPERS))
 
     def put(self, key: str, value: bytes) -> None:
         self._check_open("put")
