@@ -83,6 +83,9 @@ class StartupLost(TransientError):
 # a second start-up loss was seen in CI on a loaded 2-core machine right after a first,
 # drilled one: three attempts, each from scratch, logged (event=startup_retry)
 STARTUP_ATTEMPTS = 3
+# a node report (its ranks' records, rewritten every heartbeat) standing still this many
+# heartbeats is not current: its ranks are not judged stalled on it
+REPORT_STALE_BEATS = 3
 NODE_LOSS_KINDS = (FaultKind.WORKER_DIED, FaultKind.NODE_DIED, FaultKind.KEEPER_DIED,
                    FaultKind.LEASE_LOST, FaultKind.COLLECTIVE_ERROR)
 
@@ -485,10 +488,14 @@ class JobRunner:
         deadline = time.monotonic() + cfg.job.timeout_s
         total = cfg.job.args.get("steps") if isinstance(cfg.job.args.get("steps"), int) else None
         view = ProgressView(self.console, cfg.job.world_size, total).start()
-        monitor = Monitor(cfg.job.nodes, watch=self._node_watch(coordinator),
+        watch = self._node_watch(coordinator)
+        if watch is not None:
+            coordinator.silent = watch.silent
+        monitor = Monitor(cfg.job.nodes, watch=watch,
                           collective_grace_s=cfg.detection.collective_grace_s,
                           on_exception=cfg.recovery.on_worker_exception,
-                          replicated_state=cfg.detection.replicated_state)
+                          replicated_state=cfg.detection.replicated_state,
+                          report_stale_s=REPORT_STALE_BEATS * cfg.etcd.heartbeat_s)
         injector = None if self.drills is None else self.drills.injector(
             cfg, run.path, slots, coordinator, self.services, self._remove_node)
         observer = RunObserver(coordinator.events, lambda g: coordinator.holders_before.get(g, {}))

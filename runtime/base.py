@@ -144,6 +144,7 @@ def node_index(node: str) -> int:
 MEMBERS = "members/"          # member records live under <job prefix>/members/<worker-id>
 KEEPERS = "keepers/"          # each node keeper's report (and its ranks' records): keepers/<node>
 NODE_MEMBERS = "members"      # the field of a keeper's report holding its ranks' records
+REPORT_REVISION = "report_rev"   # a relayed record's extra: its keeper report's revision
 
 
 def encode_member(member: MemberRecord) -> bytes:
@@ -167,11 +168,15 @@ def member_table(own: Iterable[KeyValue], keepers: Iterable[KeyValue]) -> dict[s
     under its writer's own lease: keepers, a rank whose keeper is gone) and the ``members``
     field of each ``keepers/<node>`` report (the node's ranks, under the keeper's one lease
     and heartbeat per node). A rank found in both (moving between them) counts by its
-    newest record (``extra.time``)."""
+    newest record (``extra.time``). A relayed record carries its report's etcd revision
+    (``extra.report_rev``): the report is rewritten every heartbeat, so a revision that
+    stops moving means the node's records are not current (its keeper cannot reach etcd)."""
     table = {kv.key[len(MEMBERS):]: decode_member(kv.value) for kv in own}
     for kv in keepers:
         rows = json.loads(kv.value).get(NODE_MEMBERS) or {}
         for worker_id, data in rows.items():
+            extra = {**(data.get("extra") or {}), REPORT_REVISION: kv.mod_revision}
+            data = {**data, "extra": extra}
             record, held = member_from(data), table.get(worker_id)
             if held is None or _written_at(record) >= _written_at(held):
                 table[worker_id] = record

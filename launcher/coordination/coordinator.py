@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, assert_never
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from phalanx.configs.errors import PlanInfeasible
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.launcher.coordination.bounds import (REJOIN_MARGIN_S, Laggard, TierListing,
                                                   laggards, not_reformed, rejoin_bound_s,
                                                   tier_inventory_bound_s)
-from phalanx.launcher.coordination.retry import retry_transient
+from phalanx.launcher.coordination.retry import RETRIED, retry_transient
 from phalanx.launcher.events import EventLog
 from phalanx.launcher.services.leadership import FenceLost
 from phalanx.runtime.base import (KeeperCopy, PeerCopy, RestoreSource, TierCopy, node_index,
@@ -93,6 +93,7 @@ class Waiting:
 Launch = Callable[[RankSlot, int, dict | None], Any]
 WAIT_RETRY_S = 0.2        # how often a parked recovery looks for a warm spare
 KEEPER_CALL_S = 10.0      # one keeper call's timeout (retried within the recovery's deadline)
+FIRST_KEEPER_TRY_S = 2.0  # a first try: a keeper that misses it is asked whether it lives
 
 
 class RecoveryCoordinator:
@@ -114,6 +115,8 @@ class RecoveryCoordinator:
         # raises LeadershipLost once this launcher no longer leads (the job's poll check),
         # asked between the tries of a recovery step that failed transiently
         self.still_leading: Callable[[], None] = lambda: None
+        # does node i answer nothing (a dead host, a cut link)? the launcher's node watch
+        self.silent: Callable[[int], bool] = lambda node: False
         self.phases = PhaseMachine(clock, on_change=lambda c: events.emit(
             "phase", **{"from": c.from_phase.value, "to": c.to_phase.value,
                         "reason": c.reason, "duration_s": round(c.duration_s, 4)}))
@@ -165,17 +168,49 @@ class RecoveryCoordinator:
             holders = {int(r): list(h) for r, h in placement.holders.items()}
         addresses = {node_name(n): list(self.routes.get(n) or self.keepers[n][1]) for n in live}
         for node in live:
-            def targets(node: int = node) -> Any:
+            def targets(node: int = node, limit_s: float = KEEPER_CALL_S) -> Any:
                 return ray.get(self.keepers[node][0].set_targets.remote(
                     self.generation, [r for r, s in slots.items() if s.node == node], holders,
-                    addresses), timeout=max(0.1, min(KEEPER_CALL_S, deadline - self.clock())))
+                    addresses), timeout=max(0.1, min(limit_s, deadline - self.clock())))
             try:
-                self._retry(targets, f"replica targets of keeper {node_name(node)}", deadline)
+                self._call_keeper(targets, node, f"replica targets of keeper {node_name(node)}",
+                                  deadline)
             except RayActorError as exc:  # detected as a node fault on the next poll
                 self.events.emit("keeper_unreachable", node=node_name(node),
                                  error=str(exc).splitlines()[0][:200])
         self.events.emit("placement", generation=self.generation, factor=factor,
                          holders={str(r): h for r, h in sorted(holders.items())})
+
+    def _call_keeper(self, call: Callable[..., Any], node: int, what: str,
+                     deadline: float) -> None:
+        """``call`` ``node``'s keeper: a first try within ``FIRST_KEEPER_TRY_S`` (a live
+        keeper answers in milliseconds), then retries until ``deadline``. A first try that
+        times out on a node that answers nothing (``silent``: neither its keeper nor its
+        raylet accepts a connection; a dead host or a cut link, whose lease may not have
+        lapsed yet) takes the node for lost (``node_silent``) instead of retrying it until
+        the recovery stalls. ``call(limit_s=...)`` bounds one try."""
+        try:
+            self._first_try(call, node)
+            return
+        except RETRIED:
+            pass
+        if node in self.live_nodes:
+            self._retry(call, what, deadline)
+
+    def _first_try(self, call: Callable[..., Any], node: int) -> Any:
+        """``call(limit_s=FIRST_KEEPER_TRY_S)``; when it times out and ``node`` is silent,
+        the node is forgotten (``node_silent``) and None returned, else the call is made
+        once more with the rest of ``KEEPER_CALL_S``. Raises what ``call`` raises."""
+        try:
+            return call(limit_s=FIRST_KEEPER_TRY_S)
+        except GetTimeoutError:
+            if not self.silent(node):
+                return call(limit_s=KEEPER_CALL_S - FIRST_KEEPER_TRY_S)
+        log.warning("event=node_silent node=%s: its keeper's call timed out and neither its "
+                    "keeper nor its raylet answers", node_name(node))
+        self.events.emit("node_silent", node=node_name(node))
+        self._forget_node(node_name(node))
+        return None
 
     # -- the recovery ------------------------------------------------------------------
     def recover(self, faults: Sequence[FaultReport], slots: dict[int, RankSlot],
@@ -369,7 +404,10 @@ class RecoveryCoordinator:
         reports: dict[str, KeeperReport] = {}
         for node, (holdings_ref, stats_ref) in refs.items():
             try:
-                holdings, stats = ray.get([holdings_ref, stats_ref], timeout=10)
+                answer = self._first_try(_getter([holdings_ref, stats_ref]), node)
+                if answer is None:          # silent: taken for lost
+                    continue
+                holdings, stats = answer
             except Exception as exc:  # a keeper that does not answer holds nothing usable
                 self.events.emit("keeper_unreachable", node=node_name(node),
                                  error=str(exc).splitlines()[0][:200])
@@ -606,3 +644,8 @@ class RecoveryCoordinator:
         if self.pool is not None:  # refilled after the recovery, not competing with it
             self.pool.refill(sorted(self.live_nodes))
         return record
+
+
+def _getter(refs: list[Any]) -> Callable[..., Any]:
+    """``ray.get(refs)`` as a keeper call: ``limit_s`` bounds one try."""
+    return lambda limit_s: ray.get(refs, timeout=limit_s)

@@ -12,13 +12,13 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from phalanx.configs.errors import WorkerFailed
 from phalanx.launcher.coordination.coordinator import RankSlot
-from phalanx.runtime.base import node_name
+from phalanx.runtime.base import node_index, node_name
 from phalanx.launcher.coordination.node_watch import NodeWatch
 from phalanx.launcher.services.ray_cluster import node_indices
 from phalanx.launcher.coordination.replica_check import ReplicaCheck
 from phalanx.recovery.detection import (ActorDied, CollectiveError, LeaseLost, NodeLost, Progress,
                                         Signal, WorkerRaised)
-from phalanx.runtime.base import MemberRecord, Rank, Step, WorkerId
+from phalanx.runtime.base import REPORT_REVISION, MemberRecord, Rank, Step, WorkerId
 from phalanx.runtime.keeper.memory_plan import MemoryPlanExceeded
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,11 @@ class Monitor:
     def __init__(self, nodes: int, node_check_s: float = 0.25,
                  watch: NodeWatch | None = None, collective_grace_s: float = 2.0,
                  on_exception: str = "replace",
-                 replicated_state: Sequence[str] = ("model", "optimizer")) -> None:
+                 replicated_state: Sequence[str] = ("model", "optimizer"),
+                 report_stale_s: float = 1.5) -> None:
         self._nodes = nodes
+        self._report_stale_s = report_stale_s
+        self._reports: dict[str, tuple[int, float]] = {}   # node -> (revision, first seen)
         self._on_exception = on_exception
         self._raised_at: set[tuple[int, int]] = set()   # (rank, step) that raised once
         self._raised_refs: set[Any] = set()             # calls already reported as raised
@@ -54,6 +57,7 @@ class Monitor:
         self._seen: dict[str, MemberRecord] = {}
         self._vanished: dict[str, float] = {}
         self._dead_nodes: set[int] = set()
+        self._keepers_seen: set[int] = set()     # nodes whose keeper's record was present
         self._replicas = ReplicaCheck(replicated_state)
 
     def poll(self, slots: Mapping[int, RankSlot], done_ranks: set[int],
@@ -79,15 +83,19 @@ class Monitor:
             except RayActorError as exc:
                 result.signals.append(ActorDied(WorkerId(slot.worker_id), now,
                                                 str(exc).splitlines()[0]))
+        self._silent_nodes(slots, done_ranks | set(result.finished), members, now, result,
+                           leases_trusted)
         self._lease_signals(slots, done_ranks | set(result.finished), members, now, result,
                             finished, leases_trusted)
         self._node_signals(now, result)
         for record in members.values():
             if record.rank >= 0 and slots.get(record.rank) and \
                     slots[record.rank].worker_id == record.worker_id:
+                fresh = self._current(record, now)
                 result.progress.append(Progress(
                     Rank(record.rank), Step(record.step), now,
-                    in_step=bool(record.extra.get("in_step", True)),
+                    # a record its keeper could not refresh says nothing about the rank
+                    in_step=fresh and bool(record.extra.get("in_step", True)),
                     busy=bool(record.extra.get("busy")),
                     step_s=float(record.extra.get("step_s") or 0.0)))
                 self._collective_signal(record, now, result)
@@ -97,6 +105,21 @@ class Monitor:
         if corruption is not None:
             result.signals.append(corruption)
         return result
+
+    def _current(self, record: MemberRecord, now: float) -> bool:
+        """Is this record current? A record relayed by its node keeper is as current as the
+        keeper's report, which is rewritten every heartbeat: a report revision that has not
+        moved for ``report_stale_s`` (the keeper cannot reach etcd: a member failing over,
+        a leader election) excuses the node's ranks from the stall detector until it moves,
+        since a record standing still there is no rank standing still."""
+        revision = record.extra.get(REPORT_REVISION)
+        if not isinstance(revision, int):
+            return True
+        seen = self._reports.get(record.node)
+        if seen is None or seen[0] != revision:
+            self._reports[record.node] = (revision, now)
+            return True
+        return now - seen[1] < self._report_stale_s
 
     def _raised(self, error: WorkerFailed, slot: RankSlot,
                 members: Mapping[str, MemberRecord], now: float) -> WorkerRaised:
@@ -148,6 +171,31 @@ class Monitor:
                 self._vanished.pop(worker_id, None)
         self._seen.update({w: r for w, r in members.items() if w in current})
 
+    def _silent_nodes(self, slots: Mapping[int, RankSlot], done: set[int],
+                      members: Mapping[str, MemberRecord], now: float, result: PollResult,
+                      trusted: bool) -> None:
+        """A node whose keeper's record vanished (the node's one etcd lease lapsed) while
+        ranks still run there, and whose keeper and raylet both fail to answer, is lost: a
+        dead host or a cut link closes no socket, so the node watch never hears of it, and
+        Ray's health checks take tens of seconds. Checked once per vanishing, before the
+        ranks' own vanished records count (a node's loss absorbs its ranks')."""
+        present = {index for record in members.values()
+                   if record.extra.get("role") == "keeper"
+                   and (index := _node_of(record.node)) is not None}
+        if not trusted:          # etcd down or just back: no vanished key counts yet
+            self._keepers_seen |= present
+            return
+        running = {slot.node for rank, slot in slots.items() if rank not in done}
+        for index in sorted(self._keepers_seen - present):
+            if index in self._dead_nodes or index not in running or self._watch is None:
+                continue
+            if self._watch.silent(index):
+                log.warning("event=node_silent node=%s: its etcd lease lapsed and neither "
+                            "its keeper nor its raylet answers", node_name(index))
+                self._dead_nodes.add(index)
+                result.signals.append(NodeLost(node_name(index), now))
+        self._keepers_seen = present
+
     def _node_signals(self, now: float, result: PollResult) -> None:
         if self._watch is not None:     # a node whose keeper and raylet both refuse
             for index, ended in self._watch.drain():
@@ -173,6 +221,13 @@ class Monitor:
 
     def forget(self, worker_id: str) -> None:
         self._seen.pop(worker_id, None)
+
+
+def _node_of(name: str) -> int | None:
+    try:
+        return node_index(name)
+    except ValueError:
+        return None
 
 
 def _worker_error(exc: RayTaskError, rank: int) -> WorkerFailed:

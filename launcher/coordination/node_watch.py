@@ -6,9 +6,9 @@ answered at once by the kernel: does the keeper's port still accept (no: the kee
 is gone), and does the node's raylet port still accept (no: the node is gone). Both refused
 is a lost node, stamped with the moment the connection ended. A keeper that refuses on a
 node whose raylet still accepts is a lost keeper (``keepers_gone``: the launcher starts
-another, then ``rewatch``). Anything less (the keeper closed an idle connection, a machine
-that vanished without closing its sockets) is left to the slower signals: Ray's node
-health checks and the keeper's etcd lease.
+another, then ``rewatch``). A machine that vanished without closing its sockets (power
+lost, link cut) is found by its keeper's etcd lease lapsing: the launcher then asks
+``silent`` whether the node's keeper and raylet still accept connections.
 """
 from __future__ import annotations
 
@@ -43,6 +43,15 @@ def refuses(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> boo
     except (ConnectionRefusedError, ConnectionResetError):
         return True
     except OSError:  # timeout, unreachable network: no proof the process is gone
+        return False
+
+
+def answers(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """True when something accepts a connection at ``address`` within ``timeout_s``."""
+    try:
+        with socket.create_connection(address, timeout=timeout_s):
+            return True
+    except OSError:
         return False
 
 
@@ -100,6 +109,16 @@ class NodeWatch:
         with self._lock:
             gone, self._keepers_lost = self._keepers_lost, []
         return gone
+
+    def silent(self, node: int) -> bool:
+        """Neither ``node``'s keeper nor its raylet accepts a connection (up to two probes of
+        ``PROBE_TIMEOUT_S``): asked when the node's etcd lease lapsed, since a dead host or a
+        cut link closes no socket and so never ends the watched connection. A node this
+        watch does not know is not called silent."""
+        keeper, raylet = self._keepers.get(node), self._raylets.get(node)
+        if keeper is None or raylet is None:
+            return False
+        return not answers(keeper) and not answers(raylet)
 
     def rewatch(self, node: int, address: tuple[str, int]) -> None:
         """Watch ``node``'s new keeper at ``address`` (its old one is gone); the watch

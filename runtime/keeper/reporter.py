@@ -106,7 +106,10 @@ class KeeperReporter:
             rows, versions = self._members.current()
             report = dataclasses.replace(report, members=rows)
         data = report.to_json()
-        if data != self._last:
+        # with its ranks' records the report is the node's heartbeat: written every beat,
+        # so its revision moving tells the launcher the records are current (a record that
+        # stands still on a report that moves is a rank that stands still)
+        if data != self._last or self._members is not None:
             self._membership.put_leased(KEEPERS + self._node, data)
             self._last = data
         if self._members is not None:

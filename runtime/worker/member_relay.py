@@ -9,7 +9,9 @@ to it, and the rank's own lease is revoked only after the keeper has published t
 so the launcher never sees the rank vanish in between.
 
 Offers what ``phalanx.runtime.worker.heartbeat.Heartbeat`` needs of a membership: ``join``,
-``update``, ``touch``, ``lease_lost``, ``leave`` and ``get``.
+``update``, ``touch``, ``lease_lost``, ``leave`` and ``get``. A keepalive thread beats when
+nothing else did for a third of the TTL, so the record outlives the heartbeat while the rank
+closes, as its own lease would.
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ RETRY_S = 0.5        # how often a rank on its own lease looks for its keeper ag
 
 
 class MemberRelay:
-    """Owned by the rank's heartbeat thread (``close`` from the training thread after the
-    heartbeat stopped). ``open_keeper()`` returns a client of the node's keeper as etcd
+    """Thread-safe (one lock): the rank's heartbeat thread, its own keepalive thread, and the
+    training thread's final ``update`` and ``close``. ``open_keeper()`` returns a client of the node's keeper as etcd
     names it now, or None (none known, or it does not answer); ``membership`` is the rank's
     etcd client, which holds the rank's own lease while the keeper is away."""
 
@@ -49,6 +51,9 @@ class MemberRelay:
         self._ttl_s = 0.0
         self._next_try = 0.0
         self._record_relayed = False     # a keeper has held our record (its loss is news)
+        self._sent_at = 0.0              # clock time of the last beat the keeper answered
+        self._keepalive: threading.Thread | None = None
+        self._closing = threading.Event()
 
     @property
     def via_keeper(self) -> bool:
@@ -63,9 +68,13 @@ class MemberRelay:
 
     def join(self, member: MemberRecord, ttl_s: float) -> None:
         """Register the record with the keeper (published at once), or under our own lease
-        when no keeper answers."""
+        when no keeper answers. The first join starts the keepalive."""
         with self._lock:
             self._record, self._ttl_s, self._lost = member, ttl_s, ""
+            if self._keepalive is None:
+                self._keepalive = threading.Thread(target=self._keep_alive, daemon=True,
+                                                   name=f"member-keepalive-{self._worker_id}")
+                self._keepalive.start()
             if self._keeper is None:
                 self._keeper = self._open_keeper()
             if self._keeper is not None and self._send(member, join=True):
@@ -112,6 +121,9 @@ class MemberRelay:
                 self._own_lease = self._moving = False
 
     def close(self) -> None:
+        self._closing.set()
+        if self._keepalive is not None:
+            self._keepalive.join(timeout=5.0)
         self.leave()
         with self._lock:
             if self._keeper is not None:
@@ -120,6 +132,19 @@ class MemberRelay:
 
     def get(self, key: str) -> KeyValue | None:
         return self._membership.get(key)
+
+    def _keep_alive(self) -> None:
+        """Beat at a third of the TTL whenever nothing else did: the record must outlive
+        the rank's heartbeat thread while the rank closes (a group teardown, the last
+        snapshot), as an etcd lease is kept alive by its client until it is revoked. A
+        frozen process beats no more: its record lapses."""
+        while not self._closing.wait(max(0.1, self._ttl_s / 3)):
+            if self._clock() - self._sent_at >= self._ttl_s / 3:
+                try:
+                    self.touch()
+                except PhalanxError as exc:     # etcd unreachable for our own lease
+                    log.warning("event=member_keepalive_failed worker=%s error=%s",
+                                self._worker_id, exc)
 
     # -- the keeper and the rank's own lease --------------------------------------------
 
@@ -136,6 +161,7 @@ class MemberRelay:
             log.warning("event=member_keeper_lost worker=%s error=%s", self._worker_id, exc)
             self._drop_keeper()
             return False
+        self._sent_at = self._clock()
         if not answer["known"]:
             self._lost = "silent past its TTL"
             return False

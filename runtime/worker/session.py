@@ -390,11 +390,11 @@ class Session(Rejoining):
             self._watcher = None
         if self._membership is not None:
             try:
-                if self._members is not None:
-                    self._members.update(self._record(state="finished"), urgent=True)
                 # a plain key that outlives our record: "left on purpose", not a lost lease
                 self._membership.put(f"{FINISHED_PREFIX}{self.context.worker_id}",
                                      str(self._progress.step_index).encode())
+                if self._members is not None:
+                    self._members.update(self._record(state="finished"), urgent=True)
             except (MembershipUnavailable, LeaseLost) as exc:
                 log.warning("event=final_progress_lost rank=%d error=%s", self.rank, exc)
             if self._members is not None:

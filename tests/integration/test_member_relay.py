@@ -5,6 +5,9 @@ is gone the rank holds its own lease, and once a keeper answers again the record
 without the rank ever vanishing from the member table."""
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -123,25 +126,50 @@ def test_the_record_is_published_by_the_keeper_and_moves_to_an_own_lease_and_bac
             client.close()
 
 
-def test_a_rank_silent_past_its_ttl_vanishes_and_must_join_again(
+RANK_PROCESS = """
+import sys, threading, time
+from phalanx.runtime.base import MemberRecord
+from phalanx.runtime.keeper.wire import KeeperClient
+from phalanx.runtime.membership.etcd import EtcdMembership
+from phalanx.runtime.worker.heartbeat import Heartbeat
+from phalanx.runtime.worker.member_relay import MemberRelay
+endpoint, prefix, host, port, ttl = sys.argv[1:6]
+etcd = EtcdMembership([endpoint], prefix, timeout_s=5.0).connect()
+relay = MemberRelay(etcd, "w0", lambda: KeeperClient(host, int(port), b"s" * 32, "job",
+                                                     timeout_s=0.5))
+record = lambda: MemberRecord("w0", 0, "node0", step=1, extra={"time": time.time()})
+relay.join(record(), float(ttl))
+Heartbeat(relay, 0, "w0", record, lambda: 1, lambda: 0, 0.2, float(ttl), threading.Event(),
+          threading.Event()).start()
+print("joined", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_rank_frozen_past_its_ttl_vanishes_and_joins_again_when_it_thaws(
         etcd_endpoint: str, prefix: str, shm: Path) -> None:
+    """A rank process SIGSTOPped (real signal) beats no more: its keeper drops its record
+    after the TTL, as its own lease would lapse; SIGCONT: told it was dropped, its heartbeat
+    joins again (the job never replaced it, so it is not fenced)."""
     node = NodeKeeper(etcd_endpoint, prefix, shm)
     reader = EtcdMembership([etcd_endpoint], prefix, timeout_s=5.0).connect()
-    rank_etcd = EtcdMembership([etcd_endpoint], prefix, timeout_s=5.0).connect()
-    relay = MemberRelay(rank_etcd, "w0", lambda: KeeperClient(*node.keeper.address, SECRET,
-                                                               "job", timeout_s=0.5))
+    rank = subprocess.Popen([sys.executable, "-c", RANK_PROCESS, etcd_endpoint, prefix,
+                             *map(str, node.keeper.address), str(TTL_S)],
+                            stdout=subprocess.PIPE, text=True)
     try:
-        relay.join(record(1), TTL_S)
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "joined"
         assert eventually(lambda: "w0" in reader.members(), 2.0)
-        # frozen (SIGSTOP): no beat; the keeper drops it as its own lease would lapse
+        time.sleep(3 * TTL_S)
+        assert "w0" in reader.members()         # alive and idle: kept by its beats
+        rank.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
         assert eventually(lambda: "w0" not in reader.members(), 3 * TTL_S + 1)
-        assert relay.lease_lost == ""            # it cannot know before it beats again
-        relay.touch()
-        assert relay.lease_lost                  # told: the heartbeat joins again
-        relay.join(record(2), TTL_S)
-        assert eventually(lambda: reader.members().get("w0", record(-1)).step == 2, 2.0)
+        # dropped a TTL after its last beat, which came at most a beat before the stop
+        assert time.monotonic() - stopped >= TTL_S - 0.4
+        rank.send_signal(signal.SIGCONT)
+        assert eventually(lambda: "w0" in reader.members(), 3.0)
     finally:
-        relay.close()
+        rank.kill()
+        rank.wait()
         node.close()
-        for client in (reader, rank_etcd):
-            client.close()
+        reader.close()

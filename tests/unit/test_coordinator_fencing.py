@@ -223,6 +223,35 @@ def test_a_busy_keeper_is_asked_again_then_fails_at_the_deadline(
     assert job.clock() - started <= BUDGET_S + 1.5
 
 
+def test_a_keeper_that_times_out_on_a_node_that_answers_nothing_is_a_lost_node(
+        tmp_path: Path, kills: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead host or a cut link (no socket closes; its lease not lapsed yet): its keeper's
+    first try times out and the node watch finds it silent, so the node is forgotten at
+    once instead of being retried until the recovery stalls. A keeper that times out on a
+    node that answers is retried as before."""
+    keeper = BusyKeeper()
+    job = Job(tmp_path, InMemoryMembership(), keepers={0: (keeper, ("127.0.0.1", 7000))})
+    asked: list[int] = []
+    job.coord.silent = lambda node: asked.append(node) or True
+
+    def get(ref: Any, timeout: float | None = None) -> Any:
+        job.clock.now += timeout or 0
+        raise GetTimeoutError("Get timed out: some object(s) not ready")
+    monkeypatch.setattr(ray, "get", get)
+
+    started = job.clock()
+    job.coord.place(job.slots)
+    assert keeper.asked == 1 and asked == [0] and 0 not in job.coord.live_nodes
+    assert job.clock() - started <= 2.0 + 1e-6                 # one short first try
+    assert any(e["event"] == "node_silent" for e in job.coord.events.events)
+
+    job.coord.live_nodes.add(0)
+    job.coord.silent = lambda node: False
+    with pytest.raises(RecoveryStalled, match="replica targets of keeper node0"):
+        job.coord.place(job.slots)
+    assert 0 in job.coord.live_nodes
+
+
 def test_a_lost_leadership_ends_the_retries_at_once(tmp_path: Path, kills: list[Any]) -> None:
     store = InMemoryStore()
     InMemoryMembership(store).compare_and_swap(GENERATION_KEY, 0, b"0")

@@ -2,11 +2,13 @@
 into a signal: after a grace, once, only in its current generation."""
 from __future__ import annotations
 
+import socket
 import time
 
 from phalanx.launcher.coordination.coordinator import RankSlot
 from phalanx.launcher.job import _stale
 from phalanx.launcher.coordination.monitor import Monitor
+from phalanx.launcher.coordination.node_watch import NodeWatch
 from phalanx.recovery.detection import CollectiveError, KeeperLeaseExpired, NodeLost
 from phalanx.runtime.base import MemberRecord
 
@@ -56,3 +58,60 @@ def test_signals_about_handled_nodes_and_old_generations_are_stale() -> None:
     assert not _stale(CollectiveError(0, 0.0, "", generation=3), live, 3, False)
     # a recovery in progress or parked explains every failed collective
     assert _stale(CollectiveError(0, 0.0, "", generation=3), live, 3, True)
+
+
+def _keeper(node: int) -> MemberRecord:
+    return MemberRecord(worker_id=f"keeper.node{node}", rank=-1, node=f"node{node}",
+                        extra={"role": "keeper"})
+
+
+def test_a_node_whose_lease_lapsed_and_which_answers_nothing_is_lost() -> None:
+    """A dead host or a cut link closes no socket: its keeper's record vanishing (the
+    node's lease) while neither its keeper nor its raylet accepts a connection is a lost
+    node; a keeper gone on a node whose raylet answers is not (it is being replaced)."""
+    listening = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    gone = closed.getsockname()[:2]
+    closed.close()
+    alive = listening.getsockname()[:2]
+    watch = NodeWatch(keepers={0: gone, 1: gone, 2: gone}, raylets={0: alive, 1: gone, 2: gone},
+                      secret=b"s", job="job", generation=lambda: 0)
+    monitor = Monitor(3, node_check_s=1e9, watch=watch)
+    slots = {r: RankSlot(r, f"w{r}", r, None) for r in range(3)}
+    members = {"keeper.node0": _keeper(0), "keeper.node1": _keeper(1),
+               "keeper.node2": _keeper(2)}
+    try:
+        assert monitor.poll(slots, set(), members, timeout_s=0).signals == []
+        # node 2's lease lapses while etcd is not trusted: nothing yet
+        del members["keeper.node2"]
+        assert monitor.poll(slots, set(), members, timeout_s=0,
+                            leases_trusted=False).signals == []
+        del members["keeper.node0"], members["keeper.node1"]
+        signals = monitor.poll(slots, set(), members, timeout_s=0).signals
+        assert sorted(s.node for s in signals if isinstance(s, NodeLost)) == ["node1", "node2"]
+        assert monitor.poll(slots, set(), members, timeout_s=0).signals == []   # once
+    finally:
+        listening.close()
+        watch.close()
+
+
+def test_ranks_on_a_report_that_stopped_moving_are_not_judged_by_it() -> None:
+    """A node keeper rewrites its report (its ranks' records) every heartbeat: a report
+    revision that stood still longer than ``report_stale_s`` (the keeper cannot reach etcd)
+    makes its ranks' samples excused, so the stall detector does not take a control-plane
+    stall for a hung rank; once it moves the samples count again."""
+    monitor = Monitor(2, node_check_s=1e9, report_stale_s=0.05)
+    slots = {0: RankSlot(0, "w0", 0, None)}
+
+    def sample(revision: int) -> bool:
+        record = MemberRecord("w0", 0, "node0", step=5, extra={"report_rev": revision})
+        progress = monitor.poll(slots, set(), {"w0": record}, timeout_s=0).progress
+        return progress[0].in_step
+
+    assert sample(10) and sample(10)         # just seen: current
+    time.sleep(0.1)
+    assert not sample(10)                    # stood still past report_stale_s
+    assert sample(11)                        # moved: current again
+    own = MemberRecord("w0", 0, "node0", step=5)     # under its own lease: always current
+    time.sleep(0.1)
+    assert monitor.poll(slots, set(), {"w0": own}, timeout_s=0).progress[0].in_step
