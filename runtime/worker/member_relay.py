@@ -31,9 +31,10 @@ RETRY_S = 0.5        # how often a rank on its own lease looks for its keeper ag
 
 class MemberRelay:
     """Thread-safe (one lock): the rank's heartbeat thread, its own keepalive thread, and the
-    training thread's final ``update`` and ``close``. ``open_keeper()`` returns a client of the node's keeper as etcd
-    names it now, or None (none known, or it does not answer); ``membership`` is the rank's
-    etcd client, which holds the rank's own lease while the keeper is away."""
+    training thread's final ``update`` and ``close``. ``open_keeper()`` returns a client of
+    the node's keeper as etcd names it now, or None (none known, or it does not answer);
+    ``membership`` is the rank's etcd client, which holds the rank's own lease while the
+    keeper is away."""
 
     def __init__(self, membership: Membership, worker_id: str,
                  open_keeper: Callable[[], KeeperClient | None],
@@ -183,8 +184,9 @@ class MemberRelay:
     def _try_keeper(self, member: MemberRecord) -> None:
         """On our own lease: at most every ``RETRY_S``, hand the record to the node's keeper
         (as etcd names it now); our lease is revoked once the keeper published it."""
-        if self._moving:
-            self._send(None)    # a new record would be a version the keeper has not published
+        if self._moving:     # a bare beat: a new record would be a version not yet published
+            if not self._send(None):
+                self._moving, self._own_lease = False, True     # still ours: stay on it
             return
         now = self._clock()
         if now < self._next_try:
