@@ -194,8 +194,7 @@ class RecoveryCoordinator:
             return
         except RETRIED:
             pass
-        if node in self.live_nodes:
-            self._retry(call, what, deadline)
+        self._retry(call, what, deadline)
 
     def _first_try(self, call: Callable[..., Any], node: int) -> Any:
         """``call(limit_s=FIRST_KEEPER_TRY_S)``; when it times out and ``node`` is silent,

@@ -83,10 +83,9 @@ class Monitor:
             except RayActorError as exc:
                 result.signals.append(ActorDied(WorkerId(slot.worker_id), now,
                                                 str(exc).splitlines()[0]))
-        self._silent_nodes(slots, done_ranks | set(result.finished), members, now, result,
-                           leases_trusted)
-        self._lease_signals(slots, done_ranks | set(result.finished), members, now, result,
-                            finished, leases_trusted)
+        done = done_ranks | set(result.finished)
+        self._silent_nodes(slots, done, members, now, result, leases_trusted)
+        self._lease_signals(slots, done, members, now, result, finished, leases_trusted)
         self._node_signals(now, result)
         for record in members.values():
             if record.rank >= 0 and slots.get(record.rank) and \

@@ -162,7 +162,6 @@ class Session(Rejoining):
         self._watcher: GenerationWatcher | None = None
         self._heartbeat: Heartbeat | None = None
         self._members: MemberRelay | None = None     # the rank's record, via its keeper
-        self._members_opened = False
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._activity = Activity(self.context.heartbeat_s / 2, self._wake.set)
@@ -270,18 +269,16 @@ class Session(Rejoining):
             self._hook_optimizer(obj)
 
     def _member_keeper(self) -> KeeperClient | None:
-        """A client of the node keeper that relays the rank's member record: the one the
-        rank was started with, then the one etcd names (a replacement); None without one.
+        """A client of the node keeper that relays the rank's member record: the one etcd
+        names (a replacement, once it reported), else the one the rank was started with;
+        None without one.
         Beats are tiny and local: a keeper that does not answer within a third of the lease
         TTL is taken for gone (the rank then holds its own lease)."""
         ctx = self.context
         if not ctx.keeper_port:
             return None
-        address = (ctx.keeper_host, ctx.keeper_port) if not self._members_opened else \
-            keeper_address(self._membership, ctx.node)
-        self._members_opened = True
-        if address is None:
-            return None
+        address = keeper_address(self._membership, ctx.node) or (ctx.keeper_host,
+                                                                  ctx.keeper_port)
         return self._open_keeper(*address, timeout_s=max(0.5, ctx.lease_ttl_s / 3))
 
     def _open_keeper(self, host: str, port: int, timeout_s: float | None = None) -> KeeperClient:
