@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from typing import Callable
 
 import pytest
 
@@ -12,6 +10,7 @@ from phalanx.configs.errors import LeaseLost, MembershipUnavailable
 from phalanx.runtime.base import KEEPERS, Membership, MemberRecord, WatchEvent, encode_member
 from phalanx.runtime.commit import KeeperReport
 from tests.plugins.etcd import MembershipFactory
+from tests.polling import eventually
 
 pytestmark = pytest.mark.contract
 
@@ -19,16 +18,6 @@ pytestmark = pytest.mark.contract
 def record(worker_id: str, rank: int = 0, step: int = -1) -> MemberRecord:
     return MemberRecord(worker_id=worker_id, rank=rank, node=f"node-{rank}",
                         endpoint=f"127.0.0.1:{7000 + rank}", step=step, extra={"k": [1, 2]})
-
-
-def eventually(predicate: Callable[[], bool], within_s: float = 2.0) -> bool:
-    """Real-time polling for effects delivered on another thread (etcd watches)."""
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @pytest.mark.timeout(20)

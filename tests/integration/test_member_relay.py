@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -23,6 +23,7 @@ from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.membership.etcd import EtcdMembership
 from phalanx.runtime.node import node_keeper
 from phalanx.runtime.worker.member_relay import MemberRelay
+from tests.polling import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 SECRET = b"s" * 32
@@ -59,15 +60,6 @@ def prefix() -> str:
 @pytest.fixture
 def shm(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path
-
-
-def eventually(predicate: Callable[[], bool], within_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def record(step: int) -> MemberRecord:
@@ -110,7 +102,7 @@ def test_the_record_is_published_by_the_keeper_and_moves_to_an_own_lease_and_bac
         first.close()
         address["now"] = node.keeper.address
         assert eventually(lambda: (relay.touch(), relay.via_keeper)[1] and
-                          rank_etcd.lease_id == 0, 10.0)
+                          rank_etcd.lease_id == 0, 10.0, every_s=0.02)
         assert reader.get(MEMBERS + "w0") is None          # own lease revoked
         relay.update(record(3))
         assert eventually(lambda: reader.members()["w0"].step == 3, 2.0)
@@ -133,6 +125,7 @@ from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.membership.etcd import EtcdMembership
 from phalanx.runtime.worker.heartbeat import Heartbeat
 from phalanx.runtime.worker.member_relay import MemberRelay
+from tests.polling import eventually
 endpoint, prefix, host, port, ttl = sys.argv[1:6]
 etcd = EtcdMembership([endpoint], prefix, timeout_s=5.0).connect()
 relay = MemberRelay(etcd, "w0", lambda: KeeperClient(host, int(port), b"s" * 32, "job",
