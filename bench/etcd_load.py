@@ -95,7 +95,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             members = membership.members()
             leases = lease_count(etcd.endpoint)
             samples = {kv.key: kv.value.decode() for kv in membership.list_prefix("")
-                       if kv.key in ("members/w1-g0", "keepers/node1", "commit")}
+                       if kv.key in ("keepers/node1", "commit")}   # node1 carries its ranks' records
             if proc.poll() is not None:
                 raise RuntimeError(f"phalanx launch exited ({proc.returncode}) during the window")
             proc.send_signal(signal.SIGINT)
