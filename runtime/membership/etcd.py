@@ -253,24 +253,26 @@ class EtcdMembership:
     def _call(self, op: str, key: str, call: Callable[[Any], _T],
               again: Callable[[Any], _T] | None = None) -> _T:
         """``call(client)`` on the member in use. When that member turns out unreachable
-        and the client fails over, the call is made once more on the next member
-        (``again`` if given: for a transaction whose first try may have landed), so a call
-        in flight on a member that dies does not fail its caller. Raises
-        ``MembershipUnavailable`` when the next member fails too, or there is none."""
-        client = self._conn()
-        try:
-            with self._translate(op, key):
-                return call(client)
-        except MembershipUnavailable:
-            with self._lock:
-                moved = len(self._endpoints) > 1 and self._client is not client \
-                    and not self._closed
-            if not moved:
-                raise
-        client = self._conn()
-        log.info("event=etcd_call_repeated op=%s key=%s endpoint=%s", op, key, self.endpoint)
-        with self._translate(op, key):
-            return (again or call)(client)
+        and the client fails over, the call is made again on the next member (``again``
+        if given: for a transaction whose first try may have landed), each member once at
+        most, so a call in flight on a member that dies does not fail its caller, also
+        while the survivors still elect a leader (a member without one times out and the
+        next is asked). Raises ``MembershipUnavailable`` when every member failed, or a
+        call failed without a failover (one endpoint, or the member answered)."""
+        tries = 0
+        while True:
+            client = self._conn()
+            tries += 1
+            try:
+                with self._translate(op, key):
+                    return (call if tries == 1 else again or call)(client)
+            except MembershipUnavailable:
+                with self._lock:
+                    moved = len(self._endpoints) > 1 and self._client is not client \
+                        and not self._closed
+                    if not moved or tries >= len(self._endpoints):
+                        raise
+            log.info("event=etcd_call_repeated op=%s key=%s try=%d", op, key, tries + 1)
 
     @contextlib.contextmanager
     def _translate(self, op: str, key: str = "") -> Iterator[None]:
