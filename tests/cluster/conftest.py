@@ -18,13 +18,14 @@ HOSTS = 3
 
 
 @pytest.fixture(scope="module")
-def multihost() -> Iterator[ClusterServices]:
+def multihost(request: pytest.FixtureRequest) -> Iterator[ClusterServices]:
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"multi-host cluster unavailable: {reason}")
     # Ray's unix socket paths must stay short: a private folder directly under /tmp
     workdir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-", dir="/tmp"))
     destroy_prefix(PREFIX)      # what a killed earlier session left
+    failed_before = request.session.testsfailed
     cluster = NetnsCluster(HOSTS, prefix=PREFIX)
     try:
         cluster.create()
@@ -32,4 +33,9 @@ def multihost() -> Iterator[ClusterServices]:
     finally:
         cluster.destroy()
         assert not namespaces(PREFIX), f"namespaces left behind: {namespaces(PREFIX)}"
-        shutil.rmtree(workdir, ignore_errors=True)
+        if request.session.testsfailed > failed_before:
+            # the runs, the launchers' output and Ray's session logs of every host, for
+            # whoever reads the failure
+            print(f"\nmulti-host test failed: its cluster's files stay in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -52,6 +53,16 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
     if check and proc.returncode != 0:
         raise RuntimeError(f"`ip {' '.join(args)}` failed ({proc.returncode}): "
+                           f"{proc.stderr.strip()}")
+    return proc
+
+
+def _tc(netns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``tc args`` in ``netns``; raises RuntimeError naming the command and its stderr."""
+    proc = subprocess.run(["tc", "-n", netns, *args], capture_output=True, text=True,
+                          timeout=_CMD_TIMEOUT_S)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"`tc -n {netns} {' '.join(args)}` failed ({proc.returncode}): "
                            f"{proc.stderr.strip()}")
     return proc
 
@@ -158,6 +169,39 @@ class NetnsCluster:
     def link(self, host: Host, up: bool) -> None:
         """Plug (``up``) or cut ``host``'s cable at the switch."""
         _ip("-n", self.switch, "link", "set", host.switch_port, "up" if up else "down")
+
+    def degrade(self, host: Host) -> str:
+        """Make ``host``'s cable slow and lossy, both ways: ``tc netem`` (20 ms +- 5 ms delay,
+        1 % loss) where the kernel has it, else a token bucket (1 Mbit/s with a 16 KiB
+        queue: queueing delay, and tail drops that TCP meets as loss; this machine's kernel
+        has tbf and htb but no netem). Returns the qdisc in use."""
+        kinds = (["netem", "delay", "20ms", "5ms", "loss", "1%"],
+                 ["tbf", "rate", "1mbit", "burst", "16kb", "limit", "16kb"])
+        for kind in kinds:
+            done = [_tc(ns, "qdisc", "replace", "dev", dev, "root", *kind, check=False)
+                    for ns, dev in self._cable(host)]
+            if all(proc.returncode == 0 for proc in done):
+                return " ".join(kind)
+            self.restore(host)
+        raise RuntimeError(f"neither netem nor tbf can shape {host.netns}'s link: "
+                           f"{done[0].stderr.strip()}")
+
+    def restore(self, host: Host) -> None:
+        """Take ``degrade`` back: the cable is clean again."""
+        for ns, dev in self._cable(host):
+            _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
+
+    def dropped(self, host: Host) -> int:
+        """Packets the qdiscs on ``host``'s cable dropped (``tc -s``), both ways."""
+        total = 0
+        for ns, dev in self._cable(host):
+            out = _tc(ns, "-s", "qdisc", "show", "dev", dev, check=False).stdout
+            total += sum(int(n) for n in re.findall(r"dropped (\d+)", out))
+        return total
+
+    def _cable(self, host: Host) -> list[tuple[str, str]]:
+        """Both ends of ``host``'s cable: the switch's port and the host's eth0."""
+        return [(self.switch, host.switch_port), (host.netns, "eth0")]
 
     def power_off(self, host: Host) -> int:
         """A host losing power: its cable cut and SIGKILL to every process in it at once.

@@ -5,6 +5,7 @@ offering ``phalanx_node_<i>``; host ``i + 1`` is phalanx node ``i``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,13 +17,14 @@ from pathlib import Path
 
 import yaml
 
-from tests.cluster.netns import Host, NetnsCluster
+from tests.cluster.netns import Host, NetnsCluster, namespace_pids
 
 RAY_PORT = 6379
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
 NODE_RESOURCE_UNITS = 1000   # what the launcher's own virtual nodes offer (ray_cluster.py)
 ETCD_MEMBERS = 3
+RAY_COMMON = ["--disable-usage-stats", "--object-store-memory", str(80 * 2**20)]
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class ClusterServices:
     etcd_argv: tuple[tuple[str, ...], ...] = field(repr=False)
     etcd_procs: dict[int, subprocess.Popen[bytes]] = field(repr=False)   # member → process
     env: dict[str, str] = field(repr=False)
+    cpus_per_node: int = 2
 
     @property
     def launcher_host(self) -> Host:
@@ -70,13 +73,55 @@ class ClusterServices:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
 
-    def restart_etcd(self, member: int, timeout_s: float = 30.0) -> None:
-        """Start a killed member again on its data dir; waits until the cluster is healthy."""
-        host = self.etcd_hosts[member]
-        self.etcd_procs[member] = self.cluster.spawn(
-            host, self.etcd_argv[member], log=self.workdir / "logs" / f"etcd{member}.log",
-            env=self.env)
-        wait_etcd_healthy(self.cluster, host, self.etcd_endpoints, self.env, timeout_s)
+    def restart_etcd(self, *members: int, timeout_s: float = 30.0) -> None:
+        """Start killed members again on their data dirs; waits until the cluster is
+        healthy."""
+        for member in members:
+            self.etcd_procs[member] = self.cluster.spawn(
+                self.etcd_hosts[member], self.etcd_argv[member],
+                log=self.workdir / "logs" / f"etcd{member}.log", env=self.env)
+        wait_etcd_healthy(self.cluster, self.etcd_hosts[members[0]], self.etcd_endpoints,
+                          self.env, timeout_s)
+
+    def ensure_raylet(self, node: int, timeout_s: float = 60.0) -> bool:
+        """When Ray no longer counts every node alive, start phalanx node ``node``'s raylet
+        again, as an operator does on a host that Ray declared dead: its Ray processes are
+        killed, then ``ray start --address``; waits until Ray counts the node alive. Not
+        ``ray stop``: it would stop every host's Ray on this machine. Returns whether it
+        had to."""
+        if alive_nodes(self) == len(self.node_hosts) + 1:
+            return False
+        host = self.node_hosts[node]
+        etcd = {proc.pid for proc in self.etcd_procs.values()}
+        for pid in namespace_pids(host.netns):
+            if pid not in etcd and "ray" in _cmdline(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        serial = len(list(self.workdir.glob(f"r{host.index}*")))
+        start_raylet(self.cluster, host, node, self.ray_address,
+                     self.workdir / f"r{host.index}.{serial}", self.env, self.cpus_per_node)
+        deadline = time.monotonic() + timeout_s
+        while alive_nodes(self) < len(self.node_hosts) + 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Ray does not count {host.netns}'s raylet alive")
+            time.sleep(0.3)
+        return True
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def alive_nodes(services: ClusterServices) -> int:
+    """How many Ray nodes (the head included) the GCS counts alive, asked on host 0."""
+    proc = services.cluster.run(services.launcher_host, [sys.executable, "-c", (
+        "import ray; ray.init(address=%r, logging_level='ERROR'); "
+        "print(sum(n['Alive'] for n in ray.nodes()))") % services.ray_address],
+        env=services.env, timeout_s=60)
+    return int(proc.stdout.strip().splitlines()[-1])
 
 
 def host_env(workdir: Path) -> dict[str, str]:
@@ -142,23 +187,28 @@ def start_etcd(cluster: NetnsCluster, workdir: Path, env: dict[str, str], timeou
     return hosts, endpoints, argvs, procs
 
 
+def start_raylet(cluster: NetnsCluster, host: Host, node: int, address: str, temp_dir: Path,
+                 env: dict[str, str], cpus_per_node: int) -> None:
+    """``ray start --address`` on ``host``: a raylet offering ``phalanx_node_<node>``."""
+    resources = json.dumps({f"phalanx_node_{node}": NODE_RESOURCE_UNITS})
+    cluster.run(host, [_bin("ray"), "start", "--address", address, "--node-ip-address",
+                       host.address, "--num-cpus", str(cpus_per_node), "--resources",
+                       resources, "--temp-dir", str(temp_dir), *RAY_COMMON], env=env)
+
+
 def start_ray(cluster: NetnsCluster, workdir: Path, env: dict[str, str], cpus_per_node: int,
               system_config: dict[str, int]) -> tuple[str, tuple[Host, ...]]:
     """A Ray head on host 0 and one raylet on each other host, one at a time."""
     head = cluster.hosts[0]
     address = f"{head.address}:{RAY_PORT}"
-    common = ["--disable-usage-stats", "--object-store-memory", str(80 * 2**20)]
     cluster.run(head, [_bin("ray"), "start", "--head", "--node-ip-address", head.address,
                        "--port", str(RAY_PORT), "--num-cpus", "0", "--include-dashboard",
                        "false", "--temp-dir", str(workdir / "r0"),
-                       "--system-config", json.dumps(system_config), *common], env=env)
+                       "--system-config", json.dumps(system_config), *RAY_COMMON], env=env)
     nodes = tuple(cluster.hosts[1:])
     for index, host in enumerate(nodes):
-        resources = json.dumps({f"phalanx_node_{index}": NODE_RESOURCE_UNITS})
-        cluster.run(host, [_bin("ray"), "start", "--address", address, "--node-ip-address",
-                           host.address, "--num-cpus", str(cpus_per_node), "--resources",
-                           resources, "--temp-dir", str(workdir / f"r{host.index}"), *common],
-                    env=env)
+        start_raylet(cluster, host, index, address, workdir / f"r{host.index}", env,
+                     cpus_per_node)
     return address, nodes
 
 
@@ -180,4 +230,4 @@ def start_services(cluster: NetnsCluster, workdir: Path, *, cpus_per_node: int =
                                "health_check_timeout_ms": 10000}
     address, nodes = start_ray(cluster, workdir, env, cpus_per_node, config)
     return ClusterServices(cluster, workdir, address, endpoints, etcd_hosts, nodes,
-                           tuple(tuple(a) for a in argvs), procs, env)
+                           tuple(tuple(a) for a in argvs), procs, env, cpus_per_node)

@@ -13,6 +13,7 @@ from typing import Iterator
 import pytest
 
 from phalanx.launcher.drills.link_proxy import LinkProxy
+from tests.polling import eventually
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -95,6 +96,8 @@ def test_bytes_pass_both_ways_and_are_counted(proxy: LinkProxy) -> None:
     data = os.urandom(1 << 20)
     got, _ = _round_trip(proxy.address, data)
     assert got == data
+    # a chunk is counted once its send returned, which may be just after the echo arrived
+    assert eventually(lambda: proxy.stats()["bytes_backward"] == len(data)), proxy.stats()
     stats = proxy.stats()
     assert stats["connections"] == 1 and stats["chunks_corrupted"] == 0
     assert stats["bytes_forward"] == stats["bytes_backward"] == len(data)
