@@ -26,6 +26,7 @@ from phalanx.launcher.coordination.coordinator import RankSlot, RecoveryCoordina
 from phalanx.launcher.drills.seam import JobDrills
 from phalanx.launcher.run_observer import RunObserver
 from phalanx.launcher.resume import ResumePoint, adopt_secret, announce, find_resume_point
+from phalanx.launcher.run_files import gather_run_files
 from phalanx.launcher.run_summary import record_run_end
 from phalanx.launcher.services.etcd_outage import EtcdOutage, outage_grace_s
 from phalanx.launcher.events import EventLog
@@ -234,8 +235,10 @@ class JobRunner:
                                      "left to the standby)") from exc
             coordinator.events.emit("job_failed", error_type=type(exc).__name__,
                                     message=str(exc)[:2000])
+            self._gather_run_files(run, coordinator.live_nodes)
             record_run_end(run.path, "failed", coordinator, started, error=exc)
             raise
+        self._gather_run_files(run, coordinator.live_nodes)
         holdings = self._keeper_holdings(coordinator.live_nodes)
         coordinator.events.emit("finished", recoveries=coordinator.recoveries)
         result = JobResult(run.path, results, time.monotonic() - started, holdings,
@@ -402,6 +405,12 @@ class JobRunner:
             return pool.adopt(adopt.spares, adopt.spare_serial)
         return pool.start(list(range(cfg.job.nodes)))
 
+    def _gather_run_files(self, run: RunDir, live: set[int]) -> None:
+        """The live nodes' rank logs into this run directory, where no filesystem is shared
+        (``launcher.run_files``)."""
+        gather_run_files(run.path, {node_name(node): self.keepers[node][0]
+                                    for node in self.keepers if node in live})
+
     def _keeper_holdings(self, live: set[int]) -> dict[str, Any]:
         """What each live keeper holds at the end of the run (for the summary and tests)."""
         nodes = [node for node in self.keepers if node in live]
@@ -437,7 +446,8 @@ class JobRunner:
             secret_hex=self.secret_hex, etcd_client=client_fields(cfg.etcd),
             plan_timeout_s=plan_timeout_s(cfg), drills=cfg.drills.active,
             drill_gates=() if self.drills is None else self.drills.gate_steps(),
-            log_format=current_format(), extra={"restore": restore} if restore else {})
+            log_format=current_format(), config_yaml=run.config_text(),
+            extra={"restore": restore} if restore else {})
 
     def _new_actor(self, node: int, name: str) -> Any:
         cfg = self.cfg

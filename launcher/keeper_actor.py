@@ -12,6 +12,7 @@ from typing import Any
 
 import ray
 
+from phalanx.launcher.run_files import list_run_files, read_run_file
 from phalanx.configs.loader import load_config_text
 from phalanx.configs.errors import MembershipUnavailable
 from phalanx.runtime.base import per_rank_channel
@@ -49,6 +50,7 @@ class KeeperActor:
         bind_fields(node=node)
         cfg = load_config_text(config_yaml, source="keeper config")
         self._node = node
+        self._run_dir = run_dir
         self._generation = 0
         self._events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self._lock = threading.Lock()
@@ -150,6 +152,13 @@ class KeeperActor:
 
     def snapshot_files(self, rank: int) -> list[dict[str, Any]]:
         return self._keeper.snapshot_files(rank)
+
+    def run_files(self) -> dict[str, int]:
+        """The run's log files on this node and their sizes (``launcher.run_files``)."""
+        return list_run_files(self._run_dir)
+
+    def read_run_file(self, relative: str, offset: int, limit: int) -> bytes:
+        return read_run_file(self._run_dir, relative, offset, limit)
 
     def events(self) -> list[dict[str, Any]]:
         """Tier and replication events since the last call (drained)."""

@@ -31,6 +31,15 @@ class RunDir:
         (root / LATEST).write_text(str(path) + "\n")
         return cls(path)
 
+    def config_text(self) -> str:
+        """The run's saved ``config.yaml``, which workers get in their context: a machine
+        that does not share this filesystem cannot read it. "" when it cannot be read (a
+        standby on another machine): workers then read the file themselves."""
+        try:
+            return (self.path / "config.yaml").read_text(encoding="utf-8")
+        except OSError:
+            return ""
+
     @classmethod
     def find(cls, run_dir: str | None, runs_root: str = ".phalanx/runs",
              source: str = "phalanx status") -> "RunDir":

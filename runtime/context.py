@@ -49,6 +49,8 @@ class WorkerContext:
     drills: bool = False               # install the drill hooks (``runtime.worker.drill_hooks``)
     drill_gates: tuple[int, ...] = ()  # steps a drill's faults are due at: held there until fired
     log_format: str = "logfmt"         # the launcher's --log-format (``runtime.logs``)
+    # the run's config.yaml as text: the run directory may be on another machine
+    config_yaml: str = field(default="", repr=False)
     extra: dict[str, object] = field(default_factory=dict)
 
     @property

@@ -120,7 +120,9 @@ def _warm_torch() -> None:
 
 
 def _redirect_output(log_path: str) -> None:
-    """Send this process's stdout/stderr (Python and C level) to the rank's log file."""
+    """Send this process's stdout/stderr (Python and C level) to the rank's log file (its
+    folder made on this machine: the run directory may be the launcher's, elsewhere)."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -38,13 +38,14 @@ KEPT = 16            # digests a rank remembers for the comparisons still to com
 
 def replicated_names(ctx: WorkerContext) -> tuple[str, ...]:
     """``detection.replicated_state`` of the run this worker belongs to (its run
-    directory's ``config.yaml``); () when the job does not compare replicas, or runs
-    standalone or with one rank."""
+    directory's ``config.yaml``, which the worker's context carries); () when the job does
+    not compare replicas, or runs standalone or with one rank."""
     if ctx.standalone_run or ctx.world_size < 2 or not ctx.run_dir:
         return ()
     path = Path(ctx.run_dir) / "config.yaml"
     try:
-        cfg = load_config_text(path.read_text(encoding="utf-8"), source=str(path))
+        text = ctx.config_yaml or path.read_text(encoding="utf-8")
+        cfg = load_config_text(text, source=str(path))
     except (OSError, ConfigError) as exc:
         log.warning("event=replica_check_off rank=%d reason=%r", ctx.rank, str(exc)[:200])
         return ()

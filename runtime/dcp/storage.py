@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from phalanx.configs.errors import ConfigError, SnapshotCorrupt, SnapshotNotFound
-from phalanx.configs.loader import load_config
+from phalanx.configs.loader import load_config, load_config_text
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.runtime.base import Tier
 from phalanx.runtime.context import WorkerContext
@@ -453,7 +453,9 @@ def _job_config(config: PhalanxConfig | str | os.PathLike | None,
         if not in_job:
             raise ConfigError("config", "is None outside a launched job",
                               "name the job's YAML config, e.g. from_config('job.yaml', step)")
-        config = Path(ctx.run_dir) / "config.yaml"
+        path = Path(ctx.run_dir) / "config.yaml"
+        config = (load_config_text(ctx.config_yaml, source=str(path)) if ctx.config_yaml
+                  else path)
     cfg = config if isinstance(config, PhalanxConfig) else load_config(config)
     if run_dir is None and in_job:
         run_dir = ctx.run_dir

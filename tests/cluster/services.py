@@ -83,6 +83,18 @@ class ClusterServices:
         wait_etcd_healthy(self.cluster, self.etcd_hosts[members[0]], self.etcd_endpoints,
                           self.env, timeout_s)
 
+    def read_host_file(self, node: int, path: Path) -> str:
+        """A file as phalanx node ``node``'s processes see it (its private ``runs``
+        folder), read in its raylet's mount namespace."""
+        host = self.node_hosts[node]
+        raylets = [pid for pid in namespace_pids(host.netns) if "raylet/raylet" in _cmdline(pid)]
+        assert raylets, f"no raylet runs in {host.netns}"
+        proc = subprocess.run(["nsenter", "--target", str(raylets[0]), "--mount", "cat",
+                               str(path)], capture_output=True, text=True, timeout=10)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{path} on {host.netns}: {proc.stderr.strip()}")
+        return proc.stdout
+
     def ensure_raylet(self, node: int, timeout_s: float = 60.0) -> bool:
         """When Ray no longer counts every node alive, start phalanx node ``node``'s raylet
         again, as an operator does on a host that Ray declared dead: its Ray processes are
@@ -187,11 +199,28 @@ def start_etcd(cluster: NetnsCluster, workdir: Path, env: dict[str, str], timeou
     return hosts, endpoints, argvs, procs
 
 
+def runs_dir(workdir: Path) -> Path:
+    """Where the cluster's jobs keep their run directories (``job.run_dir``)."""
+    return workdir / "runs"
+
+
+def private_folder(folder: Path) -> list[str]:
+    """A command prefix that runs the command, and every process it starts (a raylet and
+    its workers), with an empty tmpfs of its own over ``folder``: a host that does not
+    share the launcher's filesystem there."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs -o size=512m phalanx-private "$0" && exec "$@"', str(folder)]
+
+
 def start_raylet(cluster: NetnsCluster, host: Host, node: int, address: str, temp_dir: Path,
                  env: dict[str, str], cpus_per_node: int) -> None:
-    """``ray start --address`` on ``host``: a raylet offering ``phalanx_node_<node>``."""
+    """``ray start --address`` on ``host``: a raylet offering ``phalanx_node_<node>``,
+    whose processes see a private, empty ``runs`` folder: ranks and keepers write their
+    logs and disk-tier files on their own host, as on machines without a shared
+    filesystem (the launcher gathers the logs through the keepers)."""
     resources = json.dumps({f"phalanx_node_{node}": NODE_RESOURCE_UNITS})
-    cluster.run(host, [_bin("ray"), "start", "--address", address, "--node-ip-address",
+    cluster.run(host, [*private_folder(runs_dir(temp_dir.parent)),
+                       _bin("ray"), "start", "--address", address, "--node-ip-address",
                        host.address, "--num-cpus", str(cpus_per_node), "--resources",
                        resources, "--temp-dir", str(temp_dir), *RAY_COMMON], env=env)
 
@@ -219,7 +248,7 @@ def start_services(cluster: NetnsCluster, workdir: Path, *, cpus_per_node: int =
     if len(cluster.hosts) < ETCD_MEMBERS:
         raise ValueError(f"a cluster of {len(cluster.hosts)} hosts cannot hold "
                          f"{ETCD_MEMBERS} etcd members")
-    workdir.mkdir(parents=True, exist_ok=True)
+    runs_dir(workdir).mkdir(parents=True, exist_ok=True)
     env = host_env(workdir)
     etcd_hosts, endpoints, argvs, procs = start_etcd(cluster, workdir, env)
     # the launcher's own defaults (configs/schema.py RayConfig): a killed node is declared

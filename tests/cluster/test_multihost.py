@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.netns import NetnsCluster, namespace_pids, namespaces, unavailable_reason
-from tests.cluster.services import ClusterServices
+from tests.cluster.services import ClusterServices, runs_dir
 
 pytestmark = pytest.mark.multihost
 
@@ -41,7 +41,7 @@ def _job_config(mh: ClusterServices) -> Path:
     if not dest.exists():
         mh.write_config(REPO / "configs" / "demo.yaml", dest, {
             "job": {"name": JOB, "world_size": 2, "nodes": 2,
-                    "run_dir": str(mh.workdir / "runs")}})
+                    "run_dir": str(runs_dir(mh.workdir))}})
     return dest
 
 
@@ -130,10 +130,14 @@ def _named(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == name]
 
 
-def _worker_pid(run: Path, rank: int) -> int:
-    """The pid of rank ``rank``'s first worker, from its log's ``worker_run`` line."""
-    text = (run / "logs" / f"rank_{rank}_w{rank}-g0.log").read_text()
-    return int(re.search(r"event=worker_run rank=\d+ pid=(\d+)", text).group(1))  # type: ignore[union-attr]
+def _worker_pid(mh: ClusterServices, rank: int) -> int:
+    """The pid of rank ``rank``'s worker, from its member record in its keeper's report
+    (its log is on its own host until the run ends)."""
+    pids = [record["pid"] for value in _etcd_get(mh, "keepers/")
+            for record in (json.loads(value).get("members") or {}).values()
+            if record["rank"] == rank]
+    assert len(pids) == 1, pids
+    return int(pids[0])
 
 
 def _steps_per_s(events: list[dict[str, Any]], since: float = 0.0) -> float:
@@ -190,6 +194,15 @@ def test_kill_worker_drill_on_three_hosts_is_bit_identical(multihost: ClusterSer
     assert [r["verdict"] for r in report["final_state"]] == ["identical"] * 2
     # keepers listen on and advertise their host's own address, never loopback
     assert keepers == {h.address for h in mh.node_hosts[:2]}, keepers
+    # no shared filesystem: the keepers' disk tier stayed on their hosts, and the ranks'
+    # logs (the killed worker's, its survivor's and the promoted spare's) were brought to
+    # the launcher's run directory through the keepers
+    run = Path(report["run"]["run_dir"])
+    assert _named(_events(run), "tier_persisted") and not (run / "checkpoints").exists()
+    logs = {p.name: p.read_text() for p in (run / "logs").iterdir()}
+    assert {"rank_0_w0-g0.log", "rank_1_w1-g0.log"} <= set(logs), sorted(logs)
+    assert any(name.startswith("rank_1_spare") for name in logs), sorted(logs)
+    assert all("event=worker_run" in text for text in logs.values()), logs
     print(f"multihost kill_worker: kill -> first step "
           f"{_kill_to_first_step_s(report):.3f} s")
 
@@ -291,7 +304,7 @@ def test_two_etcd_members_lost_training_goes_on_and_recovery_waits_for_quorum(
                 mh.kill_etcd(2)
                 marks["quorum_lost"] = time.time()
         elif "worker_killed" not in marks and time.time() > marks["quorum_lost"] + 2:
-            os.kill(_worker_pid(_newest_run(mh), 1), signal.SIGKILL)
+            os.kill(_worker_pid(mh, 1), signal.SIGKILL)
             marks["worker_killed"] = time.time()
         elif "quorum_back" not in marks and "worker_killed" in marks \
                 and time.time() > marks["worker_killed"] + 6:
@@ -364,9 +377,11 @@ def test_a_host_cut_off_for_a_while_is_fenced_and_never_rejoins(
     assert _named(events, "recovered")
     finished = _named(events, "finished")[0]["time"]
     assert finished > marks["plugged"], "the job must still train once the cable is back"
-    old_log = (run / "logs" / "rank_1_w1-g0.log").read_text()
+    # the cut-off node is lost to the job: its files stay on its host (no shared folder)
+    assert not (run / "logs" / "rank_1_w1-g0.log").exists()
+    old_log = mh.read_host_file(1, run / "logs" / "rank_1_w1-g0.log")
     assert "event=member_rejoined" not in old_log, old_log[-3000:]
-    old = _worker_pid(run, 1)
+    old = int(re.findall(r"event=worker_run rank=1 pid=(\d+)", old_log)[0])
     deadline = time.monotonic() + 60
     while Path(f"/proc/{old}").exists():
         assert time.monotonic() < deadline, f"the cut-off worker {old} still runs"
