@@ -73,15 +73,25 @@ def _min_step(mh: ClusterServices) -> int:
 
 
 def _wait(proc: subprocess.Popen[bytes], log: Path, watch: Any = None) -> None:
-    """Until ``proc`` exits (calling ``watch()`` meanwhile); fails with the log tail."""
+    """Until ``proc`` exits (calling ``watch()`` meanwhile); fails with the log tail. A
+    failure on the way stops the launcher (SIGTERM: it tears its job down), so the next
+    test finds no job of this name still led."""
     deadline = time.monotonic() + DRILL_TIMEOUT_S
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"drill did not end in {DRILL_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-        if watch is not None:
-            watch()
-        time.sleep(0.2)
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                pytest.fail(f"drill did not end in {DRILL_TIMEOUT_S} s:\n"
+                            f"{log.read_text()[-4000:]}")
+            if watch is not None:
+                watch()
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     assert proc.returncode == 0, f"drill failed ({proc.returncode}):\n{log.read_text()[-6000:]}"
 
 
@@ -294,17 +304,19 @@ def test_two_etcd_members_lost_training_goes_on_and_recovery_waits_for_quorum(
     log = mh.workdir / "etcd_quorum.log"
     marks: dict[str, float] = {}
     step_at_loss: list[int] = []
+    victim: list[int] = []          # rank 1's worker pid
 
     def watch() -> None:
         if "quorum_lost" not in marks:
             step = _min_step(mh)
             if step >= 15:
                 step_at_loss.append(step)
+                victim.append(_worker_pid(mh, 1))    # etcd answers no reads without quorum
                 mh.kill_etcd(1)
                 mh.kill_etcd(2)
                 marks["quorum_lost"] = time.time()
         elif "worker_killed" not in marks and time.time() > marks["quorum_lost"] + 2:
-            os.kill(_worker_pid(mh, 1), signal.SIGKILL)
+            os.kill(victim[0], signal.SIGKILL)
             marks["worker_killed"] = time.time()
         elif "quorum_back" not in marks and "worker_killed" in marks \
                 and time.time() > marks["worker_killed"] + 6:
