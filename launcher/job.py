@@ -407,13 +407,9 @@ class JobRunner:
 
     def _gather_run_files(self, run: RunDir, live: set[int]) -> None:
         """The live nodes' rank logs into this run directory, where no filesystem is shared
-        (``launcher.run_files``). Never raises: the run's outcome is what it reports."""
-        keepers = getattr(self, "keepers", {})      # none before the keepers started
-        try:
-            gather_run_files(run.path, {node_name(node): keepers[node][0]
-                                        for node in keepers if node in live})
-        except Exception as exc:  # noqa: BLE001 - logs must never mask how the run ended
-            log.warning("event=run_files_not_gathered error=%s", f"{type(exc).__name__}: {exc}")
+        (``launcher.run_files``; a node that does not answer is logged, never raised)."""
+        gather_run_files(run.path, {node_name(node): self.keepers[node][0]
+                                    for node in self.keepers if node in live})
 
     def _keeper_holdings(self, live: set[int]) -> dict[str, Any]:
         """What each live keeper holds at the end of the run (for the summary and tests)."""

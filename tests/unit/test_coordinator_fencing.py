@@ -291,6 +291,7 @@ def runner(tmp_path: Path, standby: bool) -> tuple[JobRunner, Job, InMemoryStore
                             step_down_when_silent=standby)
     assert leadership.try_acquire()
     run = JobRunner.__new__(JobRunner)
+    run.keepers = {}                    # as __init__ sets it: no keepers in this job
     run.cfg = load_config("configs/demo.yaml", [
         f"coordinator.standby={str(standby).lower()}", "etcd.endpoints=[\"127.0.0.1:2379\"]",
         "ray.address=127.0.0.1:6379"])
