@@ -291,7 +291,9 @@ class StallDetector:
     (``Progress.in_step``/``busy``) is excused: it is never reported, nor is any rank while
     an excused one is among the laggards (the others may wait for it in a collective); its
     timer restarts when it steps again (a dead or frozen process is the lease's and the
-    actor's signals to find). ``check`` is a pure query; only ``observe``/``forget``/
+    actor's signals to find), and no rank's wait counts from before the moment an excused
+    rank was seen stepping again: a rank that waited in a collective for an evaluation pass
+    is not charged for it when its next record lands a beat after the evaluator's. ``check`` is a pure query; only ``observe``/``forget``/
     ``reset`` change state. Called from the coordinator thread only.
     """
 
@@ -303,6 +305,7 @@ class StallDetector:
         self._reached_at: dict[Rank, float] = {}
         self._excused: dict[Rank, bool] = {}
         self._step_times: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._excuse_ended_at = float("-inf")
 
     @classmethod
     def from_config(cls, cfg: DetectionConfig) -> StallDetector:
@@ -324,6 +327,8 @@ class StallDetector:
             return
         new_step = not known or step != self._step[rank]
         resumed = known and self._excused[rank] and not excused
+        if known and self._excused[rank] and (new_step or not excused):
+            self._excuse_ended_at = max(self._excuse_ended_at, at)
         self._excused[rank] = excused
         if new_step and sample.step_s > 0:
             self._step_times.append(sample.step_s)
@@ -343,6 +348,7 @@ class StallDetector:
         self._reached_at.clear()
         self._excused.clear()
         self._step_times.clear()
+        self._excuse_ended_at = float("-inf")
 
     def check(self, now: float) -> list[FaultReport]:
         """STALLED reports (one per laggard rank, ascending) as of ``now``."""
@@ -356,7 +362,7 @@ class StallDetector:
         longest = max(self._step_times, default=0.0)
         reports = []
         for rank in laggards:
-            since = self._reached_at[rank]
+            since = max(self._reached_at[rank], self._excuse_ended_at)
             if now - since < threshold:
                 continue
             reports.append(FaultReport(

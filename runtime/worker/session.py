@@ -349,15 +349,18 @@ class Session(Rejoining):
         """Publish the last snapshot, wait for abandoned groups' teardown, leave membership
         and stop the heartbeat; the current group is dropped with the process (never
         destroyed here: that can block on a dead peer)."""
-        self._stop.set()
-        self._wake.set()
         if self._collective is not None:   # nothing rolls back after the session
             self._collective.absorb_faults = False
             # torn down before "finished": no peer exits (the launcher ends the job once
-            # every rank finished) while this process is in a group's destructor
-            if not self._collective.wait_released(self.context.group_timeout_s):
-                log.warning("event=group_teardown_slow rank=%d seconds=%.1f", self.rank,
-                            self.context.group_timeout_s)
+            # every rank finished) while this process is in a group's destructor. The
+            # heartbeat goes on meanwhile and says so: a group to a powered-off peer took
+            # 6.6 s, and a record left at an older step in a step was once taken for a hang
+            with self._activity.busy("finishing"):
+                if not self._collective.wait_released(self.context.group_timeout_s):
+                    log.warning("event=group_teardown_slow rank=%d seconds=%.1f", self.rank,
+                                self.context.group_timeout_s)
+        self._stop.set()
+        self._wake.set()
         if self._started:
             _final["state_digest"] = state_digest(self._objects)
         self._grad_guard.disarm()

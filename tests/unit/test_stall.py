@@ -111,6 +111,26 @@ def test_the_timer_restarts_when_an_excused_rank_steps_again() -> None:
     assert stalled(detector, 31.0) == [(0,)]       # and hung inside it
 
 
+def test_a_wait_for_an_excused_rank_counts_only_from_when_it_steps_again() -> None:
+    detector = StallDetector(stall_timeout_s=1.0)
+    feed(detector, 0, 4, 0.0, in_step=False)       # rank 0 evaluates for 3 s
+    feed(detector, 1, 4, 0.0)                      # rank 1 waits in step 4's all-reduce
+    feed(detector, 0, 6, 3.0, busy=True)           # rank 0 stepped on (and is busy again)
+    assert stalled(detector, 3.5) == []            # rank 1's record is a beat late
+    feed(detector, 1, 6, 3.6, busy=True)
+    assert stalled(detector, 60.0) == []
+
+
+def test_a_rank_hung_while_another_was_excused_is_reported_a_timeout_after_it_resumed(
+        ) -> None:
+    detector = StallDetector(stall_timeout_s=1.0)
+    feed(detector, 0, 4, 0.0, in_step=False)
+    feed(detector, 1, 4, 0.0)                      # hung, not waiting
+    feed(detector, 0, 5, 3.0)                      # rank 0 waits for rank 1 in step 5
+    assert stalled(detector, 3.999) == []
+    assert stalled(detector, 4.0) == [(1,)]
+
+
 def test_an_excused_rank_ahead_does_not_hide_a_laggard() -> None:
     detector = StallDetector(stall_timeout_s=1.0)
     feed(detector, 0, 9, 0.0, in_step=False)
@@ -168,6 +188,36 @@ def test_session_publishes_step_time_in_step_and_busy() -> None:
         with session.busy():
             assert session._record().extra["busy"] == "busy"
         assert session._beat_state() != ()
+
+
+class SlowTeardown:
+    """A collective whose abandoned groups take a while to tear down (a powered-off peer);
+    records what the rank's heartbeat would publish meanwhile."""
+
+    absorb_faults = True
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.seen: tuple = ()
+
+    def wait_released(self, timeout_s: float) -> bool:
+        record = self.session._record()
+        self.seen = (record.step, record.extra["busy"], self.session._stop.is_set())
+        return True
+
+
+def test_a_finishing_rank_publishes_its_last_step_as_busy_while_groups_tear_down() -> None:
+    ctx = WorkerContext(job="stall", rank=0, world_size=1, heartbeat_s=0.2,
+                        torch_threads=torch.get_num_threads())
+    session = Session(ctx, capture_rng=False)
+    with session:
+        for _ in range(3):
+            with session.step():
+                pass
+        teardown = SlowTeardown(session)
+        session._collective = teardown      # type: ignore[assignment]
+    # the heartbeat still runs and says "finishing" at the final step: no stall is seen
+    assert teardown.seen == (3, "finishing", False)
 
 
 def test_the_monitor_reads_the_published_fields_into_progress() -> None:
