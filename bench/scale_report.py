@@ -27,7 +27,8 @@ IN_PROCESS: list[Row] = [
     ("plan: node loss (ms)", lambda c: _ms(c["plan_node_loss_s"])),
     ("plan: worker loss (ms)", lambda c: _ms(c["plan_worker_loss_s"])),
     ("plan: node + worker loss (ms)", lambda c: _ms(c["plan_two_faults_s"])),
-    ("worker-facing plan (bytes)", lambda c: c["plan_json_bytes"]),
+    ("worker-facing plan, JSON (bytes)", lambda c: c["plan_json_bytes"]),
+    ("  as fenced into plan/<g>, compressed (bytes)", lambda c: c["plan_encoded_bytes"]),
     ("placement, whole job (ms)", lambda c: _ms(c["placement_full_s"])),
     ("placement after a node loss (ms)", lambda c: _ms(c["placement_after_loss_s"])),
     ("replicas moved by it", lambda c: c["replicas_moved"]),
@@ -42,7 +43,7 @@ IN_PROCESS: list[Row] = [
 
 ETCD: list[Row] = [
     ("member table (bytes)", lambda c: c["member_table_bytes"]),
-    ("  one read by the launcher (4 MiB client limit)", lambda c: _get(c, "derived", "member_table_read")),
+    ("  one read by the launcher (pages of 1,000 keys)", lambda c: _get(c, "derived", "member_table_read")),
     ("  read (ms)", lambda c: _ms(_get(c, "etcd", "reads", "members", "seconds"))),
     ("  decode (ms)", lambda c: _ms(_get(c, "etcd", "reads", "members", "decode_s"))),
     ("keeper reports read (bytes)", lambda c: _get(c, "etcd", "reads", "keepers", "bytes")),

@@ -293,8 +293,9 @@ class StallDetector:
     timer restarts when it steps again (a dead or frozen process is the lease's and the
     actor's signals to find), and no rank's wait counts from before the moment an excused
     rank was seen stepping again: a rank that waited in a collective for an evaluation pass
-    is not charged for it when its next record lands a beat after the evaluator's. ``check`` is a pure query; only ``observe``/``forget``/
-    ``reset`` change state. Called from the coordinator thread only.
+    is not charged for it when its next record lands a beat after the evaluator's.
+    ``check`` is a pure query; only ``observe``/``forget``/``reset`` change state. Called
+    from the coordinator thread only.
     """
 
     def __init__(self, stall_timeout_s: float) -> None:

@@ -470,7 +470,7 @@ class RecoveryCoordinator:
         (``RecoveryStalled`` after). Raises ``FenceLost`` when another coordinator moved
         the generation: this one stops like after a lost lease."""
         worker_plan = self.worker_plan(plan)
-        encoded = worker_plan.to_json()
+        encoded = worker_plan.encode()
         key = plan_key(plan.generation)
 
         def attempt() -> int | None:

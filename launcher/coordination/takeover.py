@@ -85,7 +85,7 @@ def adopt_workers(state: JobState, generation: int, membership: Membership,
     planned: Mapping[int, RankAssignment] = {}
     if generation != state.generation:
         found = membership.get(plan_key(generation))
-        planned = GenerationPlan.from_json(found.value).ranks if found else {}
+        planned = GenerationPlan.decode(found.value).ranks if found else {}
     slots, lost, doomed = {}, [], []
     for rank, info in sorted(state.slots.items()):
         slot = RankSlot(rank, info["worker_id"], int(info["node"]), None, name=info["actor"])

@@ -279,10 +279,11 @@ class EmbeddedEtcd:
                 f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
                 f"--initial-cluster=phalanx={peer}", "--initial-cluster-state=new",
                 "--heartbeat-interval=10", "--election-timeout=100",
-                # keep one hour of history: without compaction every heartbeat's ~0.8 KB
-                # stays, and the 2 GiB quota fills in ~28 h at world 8 (bench/scale_sim.py);
-                # watches resume from revisions seconds old
-                "--auto-compaction-mode=periodic", "--auto-compaction-retention=1h",
+                # keep five minutes of history: without compaction every heartbeat's
+                # ~0.8 KB stays, and the 2 GiB quota fills in ~28 h at world 8 and in 7 min
+                # at 10,000 ranks (one heartbeat per node; bench/scale_sim.py), where five
+                # minutes hold ~0.6 GB; watches resume from revisions seconds old
+                "--auto-compaction-mode=periodic", "--auto-compaction-retention=5m",
                 *(self.tls.flags() if self.tls is not None else [])]
 
     def _spawn(self) -> subprocess.Popen[bytes]:

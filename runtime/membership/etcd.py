@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, TypedDict, TypeVar
 
 import etcd3
 import etcd3.events
+import etcd3.utils
 import etcd3.exceptions
 import grpc
 
@@ -33,6 +34,8 @@ _RETRY_FIRST_S = 0.1      # first retry of a failed lease refresh (then doubling
 # just after an etcd restart fails at once. Short backoff: reconnect within ~1 s of etcd
 # coming back, instead of grpc's default growth to 120 s. Keepalive pings (10 s, within
 # etcd's 5 s minimum) detect a silent peer under a long-lived watch.
+# A prefix read's page: 1,000 keys of up to ~4 KB stay under gRPC's 4 MiB reply limit.
+LIST_PAGE_KEYS = 1000
 _GRPC_OPTIONS = [
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -455,10 +458,26 @@ class EtcdMembership:
         self._call("delete", key, lambda client: client.delete(self._prefix + key))
 
     def list_prefix(self, prefix: str) -> list[KeyValue]:
-        resp = self._call("list", prefix, lambda client: client.get_prefix_response(
-            self._prefix + prefix, sort_order="ascend", sort_target="key"))
+        """Every key under ``prefix`` as of one revision, read in pages of ``LIST_PAGE_KEYS``
+        keys (the first page's revision pins the later ones): one reply over gRPC's 4 MiB
+        was refused ("Received message larger than max"), which a member table of 10,000
+        ranks' records (600 bytes each) reached (``bench/scale_sim.py``)."""
+        full = etcd3.utils.to_bytes(self._prefix + prefix)
+        end = etcd3.utils.prefix_range_end(full)
+        kvs: list[Any] = []
+        start, revision = full, None
+        while True:
+            resp = self._call("list", prefix, lambda client: client.get_range_response(
+                start, end, sort_order="ascend", sort_target="key", limit=LIST_PAGE_KEYS,
+                revision=revision))
+            kvs.extend(resp.kvs)
+            if not resp.more or not resp.kvs:
+                break
+            start = resp.kvs[-1].key + b"\0"
+            if revision is None:     # a later page's header names the newest revision
+                revision = resp.header.revision
         cut = len(self._prefix)
-        return [KeyValue(kv.key.decode()[cut:], kv.value, kv.mod_revision) for kv in resp.kvs]
+        return [KeyValue(kv.key.decode()[cut:], kv.value, kv.mod_revision) for kv in kvs]
 
     def compare_and_swap(self, key: str, expected_revision: int, value: bytes) -> bool:
         """One transaction: compare mod_revision (create_revision == 0 for "absent").

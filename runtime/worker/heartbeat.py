@@ -115,6 +115,6 @@ def is_fenced(membership: Reads, generation: int, rank: int, worker_id: str) -> 
         kv = membership.get(plan_key(later))
         if kv is None:
             continue
-        assignment = GenerationPlan.from_json(kv.value).ranks.get(rank)
+        assignment = GenerationPlan.decode(kv.value).ranks.get(rank)
         return assignment is None or assignment.worker != worker_id
     return False

@@ -9,6 +9,7 @@ import pytest
 from phalanx.configs.errors import LeaseLost, MembershipUnavailable
 from phalanx.runtime.base import KEEPERS, Membership, MemberRecord, WatchEvent, encode_member
 from phalanx.runtime.commit import KeeperReport
+from phalanx.runtime.membership import etcd as etcd_membership
 from tests.plugins.etcd import MembershipFactory
 from tests.polling import eventually
 
@@ -162,6 +163,35 @@ def test_list_prefix_is_sorted_and_get_returns_mod_revision(
     m.delete("events/a")  # absent: no error
     assert m.get("events/a") is None
     assert [kv.key for kv in m.list_prefix("events/")] == ["events/b", "events/c"]
+
+
+def test_a_listing_longer_than_a_page_is_whole_sorted_and_of_one_revision(
+        etcd_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(etcd_membership, "LIST_PAGE_KEYS", 3)
+    factory = MembershipFactory("etcd", etcd_endpoint)
+    try:
+        m, writer = factory(), factory()
+        for i in range(10):
+            m.put(f"members/{i:02d}", b"v1")
+        pages = 0
+        real_call = m._call          # type: ignore[attr-defined]
+
+        def call(what: str, key: str, fn):   # type: ignore[no-untyped-def]
+            nonlocal pages
+            pages += what == "list"
+            if pages == 2:           # between the first and the second page
+                writer.put("members/00", b"v2")
+                writer.put("members/99", b"late")
+            return real_call(what, key, fn)
+
+        m._call = call               # type: ignore[attr-defined]
+        listed = m.list_prefix("members/")
+        assert pages == 4            # 3 + 3 + 3 + 1
+        assert [kv.key for kv in listed] == [f"members/{i:02d}" for i in range(10)]
+        assert {kv.value for kv in listed} == {b"v1"}     # the first page's revision
+        assert len(m.list_prefix("members/")) == 11
+    finally:
+        factory.close()
 
 
 @pytest.mark.timeout(20)

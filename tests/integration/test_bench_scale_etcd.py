@@ -20,7 +20,7 @@ def test_a_tiny_job_against_a_real_etcd_measures_every_etcd_figure() -> None:
     assert etcd["populate"]["keys"] >= 24 + 3          # 24 member records, 3 keeper reports
     assert etcd["reads"]["members"]["keys"] == 24
     assert etcd["reads"]["members"]["bytes"] == cell["member_table_bytes"]
-    assert derived["fence"] == "ok" and etcd["fence"]["plan_bytes"] == cell["plan_json_bytes"]
+    assert derived["fence"] == "ok" and etcd["fence"]["plan_bytes"] == cell["plan_encoded_bytes"]
     today = etcd["heartbeats_today"]
     assert today["demand_puts_per_s"] == pytest.approx((24 + 3) / 0.5)
     assert today["puts_per_s"] > 0.8 * today["demand_puts_per_s"]    # paced, not flat out

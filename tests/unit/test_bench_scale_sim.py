@@ -31,7 +31,8 @@ def test_a_tiny_run_measures_every_pure_figure_and_writes_its_outputs(tmp_path: 
     assert large["plan_json_bytes"] > 3 * small["plan_json_bytes"]   # one entry per rank
     assert large["member_table_bytes"] == pytest.approx(4 * small["member_table_bytes"], rel=0.05)
     rows = {r["figure"]: r for r in result["sections"]["in_process"]}
-    assert rows["worker-facing plan (bytes)"]["growth"]["exponent"] == pytest.approx(1.0, abs=0.1)
+    assert rows["worker-facing plan, JSON (bytes)"]["growth"]["exponent"] == pytest.approx(1.0, abs=0.1)
+    assert large["plan_encoded_bytes"] * 4 < large["plan_json_bytes"]      # compressed
     scale_sim.write_outputs(tmp_path / "scale.json", result)
     saved = json.loads((tmp_path / "scale.json").read_text())
     assert [c["nodes"] for c in saved["cells"]] == [3, 12]

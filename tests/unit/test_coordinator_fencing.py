@@ -124,7 +124,7 @@ def test_plan_and_generation_are_fenced_in_one_step(tmp_path: Path, kills: list[
     generation, plan = store.get(GENERATION_KEY), store.get(plan_key(1))
     assert generation is not None and generation.value == b"1"
     assert plan is not None and plan.mod_revision == generation.mod_revision
-    assert GenerationPlan.from_json(plan.value).restore_step == 5
+    assert GenerationPlan.decode(plan.value).restore_step == 5
     assert [(rank, gen) for rank, _, gen, _ in job.launched] == [(1, 1)]
 
 
@@ -277,7 +277,7 @@ def test_a_fault_before_the_first_commit_starts_every_rank_over(tmp_path: Path,
     assert launched == [(0, "w0-g1", 1, None), (1, "w1-g1", 1, None)]   # fresh, no restore
     assert sorted(kills) == ["actor0", "actor1"]      # the survivor's old process goes too
     assert {r: s.worker_id for r, s in job.slots.items()} == {0: "w0-g1", 1: "w1-g1"}
-    plan = GenerationPlan.from_json(store.get(plan_key(1)).value)   # type: ignore[union-attr]
+    plan = GenerationPlan.decode(store.get(plan_key(1)).value)   # type: ignore[union-attr]
     assert plan.restore_step == -1 and "start over" in plan.reason
     assert not [e for e in job.events.events if e["event"] == "job_failed"]
 

@@ -13,7 +13,7 @@ from phalanx.launcher.events import EventLog
 from phalanx.recovery.base import RecoveryPlan
 from phalanx.runtime.base import (Generation, KeeperCopy, NodeId, PeerCopy, Rank, Step, TierCopy,
                                   WorkerId)
-from phalanx.runtime.membership.generation import GenerationPlan
+from phalanx.runtime.membership.generation import PLAN_CODEC, GenerationPlan
 from tests.fakes.membership_memory import InMemoryMembership
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -44,9 +44,21 @@ def test_sources_get_addresses_in_the_planners_order(tmp_path: Path) -> None:
                    KeeperCopy(NodeId("node0"), "10.0.0.1", 7000),
                    TierCopy("disk", str(tmp_path / "checkpoints")))   # s3 is off: left out
     assert worker.ranks[0].sources == (KeeperCopy(NodeId("node0"), "10.0.0.1", 7000),)
-    again = GenerationPlan.from_json(worker.to_json())
+    again = GenerationPlan.decode(worker.encode())
     assert again.ranks[1].sources == got
     assert [type(s) for s in again.ranks[1].sources] == [type(s) for s in got]
+
+
+def test_the_plan_in_etcd_is_compressed_and_anything_else_is_refused(tmp_path: Path) -> None:
+    coord = coordinator(tmp_path, "tiers.s3.enabled=false")
+    ladder = (KeeperCopy(NodeId("node1")), KeeperCopy(NodeId("node0")), TierCopy("disk"))
+    worker = coord.worker_plan(plan({r: ladder for r in range(256)}))
+    encoded = worker.encode()
+    assert encoded.startswith(PLAN_CODEC) and len(encoded) * 8 < len(worker.to_json())
+    assert GenerationPlan.decode(encoded) == worker
+    for bad in (worker.to_json(), PLAN_CODEC + b"not zlib", b""):
+        with pytest.raises(ValueError, match="plan value"):
+            GenerationPlan.decode(bad)
 
 
 def test_a_keeper_the_launcher_does_not_know_is_left_out(tmp_path: Path) -> None:
@@ -65,7 +77,7 @@ def test_a_generation_heals_from_peers_unless_told_not_or_nothing_is_left(
                                                                   NodeId("node0")),),
                             {Rank(0): WorkerId("w0"), Rank(1): WorkerId("s0")}, "test", {})
     worker = coord.worker_plan(one_lost)
-    assert worker.heal and GenerationPlan.from_json(worker.to_json()).heal
+    assert worker.heal and GenerationPlan.decode(worker.encode()).heal
     everyone = RecoveryPlan(Generation(2), Step(7), tuple(
         PromoteSpare(SpareId(f"s{r}"), Rank(r), NodeId("node0")) for r in (0, 1)),
         {Rank(0): WorkerId("s0"), Rank(1): WorkerId("s1")}, "test", {})
