@@ -84,7 +84,8 @@ def seed_reference(run_root: Path, *overrides: str) -> None:
 # with a BatchNorm model whose buffers DDP broadcasts (one shared fault-free reference);
 # the others on the demo. Plain DDP through a fault: tests/integration/test_default_group_job.py.
 DDP_ARGV = '["--epochs", "3", "--sleep", "0.05", "--batchnorm"]'
-ON_DDP = {"kill_worker": DDP_ARGV, "kill_node": DDP_ARGV, "hang_worker": DDP_ARGV}
+ON_DDP = {"kill_worker": DDP_ARGV, "kill_node": DDP_ARGV, "hang_worker": DDP_ARGV,
+          "tier_fallback": DDP_ARGV}
 
 
 @pytest.mark.timeout(900)

@@ -177,8 +177,7 @@ def test_fsdp2_falls_back_to_the_disk_tier_when_every_copy_is_lost_bit_identical
     together, a rank's only replica died with its own copy, so every rank restores its
     DTensor shards from the disk tier's committed step 20 (the survivor in place, the lost
     ranks restarted on node 2) and the run ends bit-identical to its fault-free run."""
-    report, _ = fsdp_drill("tier_fallback", run_root, "job.world_size=3",
-                           "tiers.disk.every_steps=10")
+    report, _ = fsdp_drill("tier_fallback", run_root, "job.world_size=3")
     drilled = Path(report["run"]["run_dir"])
     events = [json.loads(line) for line in (drilled / "events.jsonl").open()]
     recovered = [e for e in events if e["event"] == "recovered"]
