@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator, Mapping, TypedDict, TypeVar
 
 import etcd3
 import etcd3.events
-import etcd3.utils
 import etcd3.exceptions
+import etcd3.utils
 import grpc
 
 from phalanx.configs.errors import ConfigError, LeaseLost, MembershipUnavailable
@@ -29,13 +29,13 @@ _T = TypeVar("_T")
 _VENDOR_ERRORS = (grpc.RpcError, etcd3.exceptions.Etcd3Exception)
 _KEEPALIVE_JOIN_S = 2.0
 _RETRY_FIRST_S = 0.1      # first retry of a failed lease refresh (then doubling to ttl/3)
+# A prefix read's page: 1,000 keys of up to ~4 KB stay under gRPC's 4 MiB reply limit.
+LIST_PAGE_KEYS = 1000
 # A private subchannel pool per client: grpc otherwise shares one connection (and its
 # reconnect backoff) between every channel to the same address, so a fresh client made
 # just after an etcd restart fails at once. Short backoff: reconnect within ~1 s of etcd
 # coming back, instead of grpc's default growth to 120 s. Keepalive pings (10 s, within
 # etcd's 5 s minimum) detect a silent peer under a long-lived watch.
-# A prefix read's page: 1,000 keys of up to ~4 KB stay under gRPC's 4 MiB reply limit.
-LIST_PAGE_KEYS = 1000
 _GRPC_OPTIONS = [
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 100),

@@ -1,10 +1,11 @@
 """FSDP2 on CPU under phalanx (examples/train_fsdp.py: ``fully_shard`` over a gloo
 ``DeviceMesh`` built on the script's default group, Adam, 2 ranks on 2 virtual nodes, a
 warm spare). Its fault-free run ends with torchrun's local shards bit for bit, and the
-shipped ``kill_worker`` and ``kill_node`` drills end bit-identical to it: the replacement
-rank restores its DTensor shards (model and Adam state) from a keeper's snapshot and the
-survivors' mesh keeps working on the re-formed default group; so does a run with two faults:
-a hung rank, then a lost node."""
+shipped ``kill_worker`` drill and a run with two faults (a hung rank, then a lost node) end
+bit-identical to it: the replacement rank restores its DTensor shards (model and Adam
+state) from a keeper's snapshot and the survivors' mesh keeps working on the re-formed
+default group. With every in-memory copy lost (``tier_fallback``, world 3) the ranks
+restore their shards from the disk tier."""
 from __future__ import annotations
 
 import json
