@@ -249,19 +249,22 @@ class Keeper:
                 self._doom(held)
         return [keep] if keep is not None else []
 
-    def claim(self, rank: int, protect_step: int | None = None) -> tuple[int, str]:
+    def claim(self, rank: int, protect_step: int | None = None, *,
+              wait: bool = True) -> tuple[int, str]:
         """(slot index, path) the worker writes its next snapshot into.
 
-        Waits up to ``claim_wait_s`` for readers of the candidate slots, then raises
-        SlotBusy; KeeperRequestInvalid if ``rank`` has no slots.
+        Waits up to ``claim_wait_s`` for readers of the candidate slots (not at all without
+        ``wait``), then raises SlotBusy; KeeperRequestInvalid if ``rank`` has no slots.
         """
-        deadline = time.monotonic() + self._claim_wait_s
+        deadline = time.monotonic() + (self._claim_wait_s if wait else 0.0)
         with self._cond:
             while True:
                 table = self._table(rank)
                 index = pick_slot(table, protect_step)
                 if index is not None:
                     break
+                if not wait:
+                    raise SlotBusy(f"keeper {self.node}: no free slot for rank {rank} now")
                 victim = pick_slot(table, protect_step, preempt=True)
                 if victim is not None:
                     self._preempt(table.slots[victim])

@@ -39,7 +39,8 @@ class _Served(Protocol):
     job: str
 
     def alloc(self, rank: int, nbytes: int) -> list[str]: ...
-    def claim(self, rank: int, protect_step: int | None = None) -> tuple[int, str]: ...
+    def claim(self, rank: int, protect_step: int | None = None, *,
+              wait: bool = True) -> tuple[int, str]: ...
     def replication_cost(self, rank: int) -> float: ...
     def committed_step(self) -> int: ...
     def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int, *,
@@ -92,14 +93,17 @@ def handle(keeper: _Served, request: Request,
         case "claim":
             rank = header_int(h, "rank")
             slot, path = keeper.claim(rank, header_int(h, "protect_step", None))
-            return Reply({"slot": slot, "path": path,
-                          "replication_s": keeper.replication_cost(rank),
-                          "committed": keeper.committed_step()})
+            return Reply(_claimed(keeper, rank, slot, path))
         case "publish":
+            rank = header_int(h, "rank")
             manifest = read_manifest(request, request.payload.nbytes)
-            keeper.publish(header_int(h, "rank"), header_int(h, "step"), header_int(h, "slot"), manifest,
+            keeper.publish(rank, header_int(h, "step"), header_int(h, "slot"), manifest,
                            header_int(h, "size"), notify=False)
-            return Reply({}, on_done=keeper.notify_published)   # after the reply is sent
+            claimed = {}
+            if h.get("claim_next") is True:      # the writer's next slot, if one is free now
+                with contextlib.suppress(SlotBusy):
+                    claimed = _claimed(keeper, rank, *keeper.claim(rank, wait=False))
+            return Reply(claimed, on_done=keeper.notify_published)   # after the reply is sent
         case "get":
             return _get(keeper, header_int(h, "rank"), header_int(h, "step", None))
         case "lend":
@@ -128,6 +132,12 @@ def handle(keeper: _Served, request: Request,
             return ops[op](keeper, request)
         case op:
             raise KeeperRequestInvalid(f"keeper {keeper.node}: unknown op {op!r}")
+
+
+def _claimed(keeper: _Served, rank: int, slot: int, path: str) -> dict[str, Any]:
+    """A claim's reply: the slot, and what the writer learns from the keeper at a claim."""
+    return {"slot": slot, "path": path, "replication_s": keeper.replication_cost(rank),
+            "committed": keeper.committed_step()}
 
 
 def _get(keeper: _Served, rank: int, step: int | None) -> Reply:
@@ -227,14 +237,32 @@ class KeeperClient:
         """(slot, path) to write the next snapshot into; unpublished until ``publish``."""
         reply = self._call({"op": "claim", "rank": rank, "protect_step": protect_step},
                            reply_timeout_s=2 * self._timeout_s)
-        self.replication_s = float(reply.get("replication_s", 0.0))
-        committed = reply.get("committed", -1)
-        self.committed = max(self.committed, committed if type(committed) is int else -1)
-        return reply["slot"], reply["path"]
+        return self._note_claim(reply)
 
     def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int) -> None:
         self._call({"op": "publish", "rank": rank, "step": step, "slot": slot, "size": nbytes},
                    manifest)
+
+    def send_publish(self, rank: int, step: int, slot: int, manifest: bytes,
+                     nbytes: int) -> None:
+        """``publish`` without waiting: the request is in the keeper's socket when this
+        returns (the keeper handles it even if this process dies now) and asks for the
+        writer's next slot; ``collect_publish`` reads the reply."""
+        self._frames.send(self._stamp({"op": "publish", "rank": rank, "step": step,
+                                       "slot": slot, "size": nbytes, "claim_next": True}),
+                          manifest)
+
+    def collect_publish(self) -> tuple[int, str] | None:
+        """The reply to the last ``send_publish`` (raises its error): the next slot the
+        keeper claimed for the writer, or None when none was free."""
+        reply = self._frames.collect()
+        return self._note_claim(reply) if reply is not None and "slot" in reply else None
+
+    def _note_claim(self, reply: dict[str, Any]) -> tuple[int, str]:
+        self.replication_s = float(reply.get("replication_s", 0.0))
+        committed = reply.get("committed", -1)
+        self.committed = max(self.committed, committed if type(committed) is int else -1)
+        return reply["slot"], reply["path"]
 
     def get(self, rank: int, step: int | None = None) -> tuple[int, bytes, bytearray]:
         """(step, manifest, payload) of ``rank`` at ``step`` or the newest held."""

@@ -212,8 +212,17 @@ class Snapshotter:
 
     def __init__(self, client: KeeperClient, *, job: str, rank: int, generation: int,
                  secret: bytes | None, policy: SnapshotPolicy,
-                 checksum_algo: str = DEFAULT_ALGO, checksum_workers: int = 0) -> None:
+                 checksum_algo: str = DEFAULT_ALGO, checksum_workers: int = 0,
+                 inline: bool = False) -> None:
         self._client = client
+        # a small CPU state (the per-rank channel: kilobytes) is copied and hashed on the
+        # training thread and its publish is sent without waiting for the reply, which
+        # names the next slot (read at the next capture): two keeper round trips and two
+        # thread hand-offs per step cost more than the work (see Session._capture_per_rank)
+        self._inline = inline
+        self._sent = False                  # a publish whose reply is unread
+        self._next_claim: tuple[int, str] | None = None   # the slot that reply claimed
+        self._deferred: Exception | None = None           # its error, for flush
         self._job, self._rank, self._generation = job, rank, generation
         self._secret = secret
         self._algo = check_algo(checksum_algo)
@@ -244,6 +253,7 @@ class Snapshotter:
         self.on_published: Callable[[int, Mapping[str, str], dict], None] | None = None
 
     def set_generation(self, generation: int) -> None:
+        self._forget_sent()         # (the client reconnects: that reply is gone)
         self._generation = generation
         self._client.generation = generation
 
@@ -266,6 +276,7 @@ class Snapshotter:
 
     def _settle(self) -> None:
         self._judge()
+        self._forget_sent()
         pending, self._pending = self._pending, None
         if pending is not None:
             try:
@@ -349,8 +360,12 @@ class Snapshotter:
         stall = time.perf_counter() - started
         # a capture that allocated the slots (page faults, file creation) says nothing about
         # the steady cost the auto interval is for
-        self._pending = self._pool.submit(self._publish, step, layout, spec, work,
-                                          None if fresh else stall)
+        if self._inline and claimed is None:
+            self._publish(step, layout, spec, work, None)
+            stall = time.perf_counter() - started
+        else:
+            self._pending = self._pool.submit(self._publish, step, layout, spec, work,
+                                              None if fresh else stall)
         if self.stats.synchronous:      # a capture tore before: copy before going on
             self.wait_for_copy()
             stall = time.perf_counter() - started
@@ -393,6 +408,10 @@ class Snapshotter:
         ``flush``): the keeper then holds every snapshot this rank will give it until the
         next capture (a drill gate, ``phalanx.runtime.worker.drill_hooks``)."""
         self._judge()
+        try:
+            self._collect_sent()
+        except Exception as exc:
+            self._deferred = exc
         pending = self._pending
         if pending is not None:
             futures_wait([pending])
@@ -400,9 +419,25 @@ class Snapshotter:
     def flush(self) -> None:
         """Wait until the last capture is published; re-raises its error."""
         self._judge()
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            raise deferred
+        self._collect_sent()
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def _collect_sent(self) -> None:
+        """Inline: read the reply to the publish last sent (raises its error); it names
+        the slot the keeper claimed for the next capture."""
+        if self._sent:
+            self._sent = False
+            self._next_claim = self._client.collect_publish()
+
+    def _forget_sent(self) -> None:
+        """The client is replaced or reconnects: a reply still owed and the slot it named
+        are given up (the keeper claims a slot afresh at the next capture)."""
+        self._sent, self._next_claim, self._deferred = False, None, None
 
     def close(self) -> None:
         try:
@@ -435,6 +470,11 @@ class Snapshotter:
         return layout
 
     def _claim(self, layout: SnapshotLayout) -> tuple[int, memoryview]:
+        self._collect_sent()
+        claimed, self._next_claim = self._next_claim, None
+        if claimed is not None and claimed[1] in self._maps:    # (not another layout's)
+            self.stats.committed_step = self._client.committed
+            return claimed[0], memoryview(self._maps[claimed[1]])[:layout.total_bytes]
         protect = self.protect_step
         try:
             slot, path = self._client.claim(self._rank, protect)
@@ -467,6 +507,8 @@ class Snapshotter:
             sums = finish(work.job, work.helpers)
             assert work.marks is not None
             work.marks.wait_all()
+        if self._inline and work.claimed is None:
+            work.check.judge()      # copied on the training thread: nothing ran since
         verdict_from = time.perf_counter()
         if self._torn(step, work.check):
             return
@@ -478,7 +520,13 @@ class Snapshotter:
                                  created_at=time.time())
         if self._secret:
             manifest = manifest.sign(self._secret)
-        self._client.publish(self._rank, step, slot, manifest.to_json(), layout.total_bytes)
+        if self._inline and work.claimed is None:
+            self._client.send_publish(self._rank, step, slot, manifest.to_json(),
+                                      layout.total_bytes)
+            self._sent = True
+        else:
+            self._client.publish(self._rank, step, slot, manifest.to_json(),
+                                 layout.total_bytes)
         if self.on_published is not None:
             self.on_published(step, sums, spec)
         background = time.perf_counter() - started - waited

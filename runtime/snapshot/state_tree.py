@@ -67,7 +67,10 @@ class RNGState:
         version, mt, gauss_next = random.getstate()
         kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         state: dict[str, Any] = {
-            "python": {"version": version, "state": tuple(mt), "gauss_next": gauss_next},
+            # the Mersenne Twister's 625 words as a tensor: as a JSON list in the tree spec
+            # they cost more to encode, sign and send than the rest of a per-rank snapshot
+            "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64),
+                       "gauss_next": gauss_next},
             "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.array(keys, np.uint32)),
                       "pos": int(pos), "has_gauss": int(has_gauss),
                       "cached_gaussian": float(cached)},
@@ -79,7 +82,9 @@ class RNGState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         py = state["python"]
-        random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+        words = py["state"]     # a tensor; a list in snapshots taken before it was one
+        words = words.tolist() if isinstance(words, torch.Tensor) else words
+        random.setstate((py["version"], tuple(int(w) for w in words), py["gauss_next"]))
         npst = state["numpy"]
         keys = npst["keys"].cpu().numpy().astype(np.uint32)
         np.random.set_state((npst["kind"], keys, npst["pos"], npst["has_gauss"],

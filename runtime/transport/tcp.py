@@ -253,6 +253,8 @@ class FrameClient:
         self._chunk = chunk_bytes
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._pending: str | None = None   # the op of a ``send`` whose reply is unread
+        self._outcome: dict[str, Any] | BaseException | None = None   # its reply, once read
 
     @property
     def address(self) -> str:
@@ -304,6 +306,60 @@ class FrameClient:
                 view.release()
         return reply
 
+    def send(self, header: dict[str, Any], payload: Payload = None) -> None:
+        """Send one frame without waiting for its reply (one such frame at a time): the
+        reply is read by ``collect``, or before the next request's frame goes out, so the
+        connection never holds an unread reply when a new frame is sent."""
+        with self._lock:
+            self._read_pending()
+            sock = self._ensure()
+            try:
+                send_frame(sock, header, payload, where=self.address, chunk_bytes=self._chunk)
+            except BaseException:
+                self._drop()
+                raise
+            self._pending, self._outcome = header.get("op", "-"), None
+
+    def collect(self) -> dict[str, Any] | None:
+        """The reply header of the last ``send``, its payload dropped (waits for it; raises its error, or
+        PeerUnreachable when the connection ended first); None when nothing was sent since
+        the last ``collect``."""
+        with self._lock:
+            self._read_pending()
+            outcome, self._outcome = self._outcome, None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def _read_pending(self) -> None:
+        """With the lock held: read the reply a ``send`` is owed into ``_outcome``."""
+        op, self._pending = self._pending, None
+        if op is None:
+            return
+        sock, where = self._sock, self.address
+        try:
+            if sock is None:
+                raise PeerUnreachable(f"{where}: connection closed before the reply to op={op}")
+            reply = recv_header(sock, where=where, max_payload=self._max_payload)
+            if reply is None:
+                raise PeerUnreachable(f"{where}: connection closed before the reply to op={op}")
+            if reply.get("ok") is not False:
+                self._receive(sock, reply, None, op)     # (a payload is read and dropped)
+            elif reply["nbytes"]:
+                raise FrameInvalid(f"{where}: error reply to op={op} carries a payload")
+            if reply.get("closing"):
+                self._drop()
+        except BaseException as exc:
+            self._drop()
+            self._outcome = exc
+            return
+        try:
+            raise_for_reply(reply, where)
+        except BaseException as exc:   # the stream is whole: only the op failed
+            self._outcome = exc
+            return
+        self._outcome = reply
+
     def close(self) -> None:
         with self._lock:
             self._drop()
@@ -318,6 +374,7 @@ class FrameClient:
                   reply_timeout_s: float | None) -> tuple[dict[str, Any], bytearray | None]:
         op, where = header.get("op", "-"), self.address
         with self._lock:
+            self._read_pending()
             sock = self._ensure()
             try:
                 send_frame(sock, header, payload, where=where, chunk_bytes=self._chunk)
@@ -379,6 +436,10 @@ class FrameClient:
         return sock
 
     def _drop(self) -> None:
+        if self._pending is not None:
+            self._outcome = PeerUnreachable(f"{self.address}: connection closed before the "
+                                            f"reply to op={self._pending}")
+            self._pending = None
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()

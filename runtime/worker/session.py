@@ -316,14 +316,14 @@ class Session(Rejoining):
             self._rank_snapshotter = Snapshotter(
                 client, job=ctx.job, rank=per_rank_channel(ctx.rank), generation=self.generation,
                 secret=ctx.secret, policy=SnapshotPolicy(1, ctx.overhead_budget),
-                checksum_algo=ctx.checksum, checksum_workers=1)
+                checksum_algo=ctx.checksum, checksum_workers=1, inline=True)
         assert self._rank_keeper is not None
-        if self._rank_keeper.capture(self._rank_snapshotter, self._progress.step_index,
-                                     self._state_classes().per_rank):
-            # in the keeper before the next step runs (one local round trip): a rank killed
-            # right after this step still leaves its state of this step behind, so the
-            # survivors heal at their step instead of falling back to the committed one
-            self._rank_snapshotter.wait_published()
+        # copied into the keeper's slot and its publish sent before the next step runs (no
+        # round trip waited for: the keeper's reply is read at the next capture): a rank
+        # killed right after this step still leaves its state of this step behind, so the
+        # survivors heal at their step instead of falling back to the committed one
+        self._rank_keeper.capture(self._rank_snapshotter, self._progress.step_index,
+                                  self._state_classes().per_rank)
 
     def _hook_optimizer(self, obj: Any) -> None:
         """Snapshots copy the live tensors in the background while the next step's forward

@@ -5,6 +5,7 @@ device-to-host copies, event by event)."""
 from __future__ import annotations
 
 import secrets
+import time
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from phalanx.runtime.keeper.daemon import Keeper
 from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.snapshot.format import read_tensors, verify_snapshot
 from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter
-from phalanx.runtime.snapshot.state_tree import flatten_state
+from phalanx.runtime.snapshot.state_tree import RNGState, flatten_state
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 SECRET = b"k" * 32
@@ -25,15 +26,18 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
-def capture_and_check(objects: dict, workers: int) -> int:
-    """Capture ``objects`` twice (both slots), then check what the keeper serves."""
+def capture_and_check(objects: dict, workers: int, inline: bool = False,
+                      steps: tuple[int, ...] = (1, 2)) -> int:
+    """Capture ``objects`` at ``steps`` (each slot at least once for two), then check what
+    the keeper serves."""
     job = f"cap{secrets.token_hex(3)}"
     with Keeper("node0", job, SECRET) as keeper:
         client = KeeperClient(*keeper.address, SECRET, job)
         snap = Snapshotter(client, job=job, rank=0, generation=0, secret=SECRET,
-                           policy=SnapshotPolicy(every_steps=1), checksum_workers=workers)
+                           policy=SnapshotPolicy(every_steps=1), checksum_workers=workers,
+                           inline=inline)
         try:
-            for step in (1, 2):
+            for step in steps:
                 snap.capture(step, objects)
                 snap.wait_for_copy()
                 snap.flush()
@@ -44,7 +48,7 @@ def capture_and_check(objects: dict, workers: int) -> int:
             snap.close()
             client.close()
     parsed = verify_snapshot(payload, manifest, secret=SECRET, source="keeper")
-    assert parsed.step == 2
+    assert parsed.step == steps[-1]
     assert all(rec["checksum"].startswith("xxh3:") for rec in parsed.tensors.values())
     live, _ = flatten_state(objects)
     served = read_tensors(payload, parsed)
@@ -61,6 +65,52 @@ def test_cpu_capture_is_served_verified_and_bit_identical(workers: int) -> None:
     model(torch.randn(4, 700)).sum().backward()
     optimizer.step()
     assert capture_and_check({"model": model, "optimizer": optimizer}, workers) == 2
+
+
+def test_inline_captures_publish_without_a_round_trip_and_write_the_slot_the_reply_named(
+        ) -> None:
+    """The per-rank channel's captures: copied on the training thread, the publish sent
+    without waiting (the keeper has it although the writer never read a reply), the next
+    capture written into the slot that reply claimed; what is served is bit-identical."""
+    job = f"inl{secrets.token_hex(3)}"
+    objects = {"rng": RNGState(), "t": torch.arange(300, dtype=torch.float64)}
+    with Keeper("node0", job, SECRET, slots=3) as keeper:
+        client = KeeperClient(*keeper.address, SECRET, job)
+        snap = Snapshotter(client, job=job, rank=5, generation=0, secret=SECRET,
+                           policy=SnapshotPolicy(every_steps=1), checksum_workers=1, inline=True)
+        claims: list[int] = []
+        real_claim = client.claim
+        client.claim = lambda *a, **k: claims.append(1) or real_claim(*a, **k)  # type: ignore
+        reader = KeeperClient(*keeper.address, SECRET, job)
+        try:
+            for step in range(1, 8):
+                objects["t"].add_(1)
+                snap.capture(step, objects)
+                deadline = time.monotonic() + 5
+                while reader.latest(5) != step:       # published with no reply read
+                    assert time.monotonic() < deadline, reader.holdings()
+                    time.sleep(0.005)
+            assert len(claims) == 1                   # only the first capture asked for one
+            held = reader.holdings()[5]
+            # the third slot is already the next capture's (claimed by the last reply)
+            assert sorted(held["local"]) == [6, 7] and held["writing"]
+            step, manifest, payload = reader.get(5)
+        finally:
+            reader.close()
+            snap.close()
+            client.close()
+    parsed = verify_snapshot(payload, manifest, secret=SECRET, source="keeper")
+    served = read_tensors(payload, parsed)
+    assert step == 7 and same_bits(served["t"], objects["t"])
+
+
+@pytest.mark.parametrize("steps", [(1, 2), (1, 2, 3, 4, 5)])
+def test_inline_capture_is_served_verified_and_bit_identical(steps: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.BatchNorm1d(64)
+    model(torch.randn(8, 64))
+    assert capture_and_check({"model": model, "rng": RNGState()}, 1, inline=True,
+                             steps=steps) == steps[-1]
 
 
 @pytest.mark.gpu

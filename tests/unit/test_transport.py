@@ -239,3 +239,36 @@ def test_close_joins_threads_and_releases_the_port():
         client.close()
     with pytest.raises(PeerUnreachable, match="connect"):
         FrameClient(*srv.address, SECRET, JOB, "worker", 2.0).connect()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(20)
+def test_a_sent_frame_is_handled_and_its_reply_collected_later_or_before_the_next_request(server):
+    with _client(server) as client:
+        assert client.collect() is None                   # nothing sent
+        client.send({"op": "echo", "value": 4}, b"x")
+        assert client.collect()["echo"] == 4
+        assert client.collect() is None                   # read once
+        client.send({"op": "echo", "value": 5})
+        # a request reads the reply still owed first, so its own reply is the one returned
+        assert client.request({"op": "echo", "value": 6})[0]["echo"] == 6
+        assert client.collect()["echo"] == 5
+        client.send({"op": "fail"})
+        client.send({"op": "echo", "value": 7})          # the failed reply is read, then lost
+        assert client.collect()["echo"] == 7
+        client.send({"op": "fail"})
+        with pytest.raises(SnapshotNotFound, match="rank 3 step 9"):
+            client.collect()
+        assert client.request({"op": "echo", "value": 8})[0]["echo"] == 8   # stream whole
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(20)
+def test_a_reply_lost_with_its_connection_is_a_peer_unreachable_at_collect():
+    with FrameServer("127.0.0.1", 0, secret=SECRET, job=JOB, handler=_echo,
+                     generation_check=lambda g: g >= 3, timeout_s=5.0, name="t") as srv:
+        client = _client(srv)
+        client.send({"op": "echo", "value": 1})
+        client.close()
+        with pytest.raises(PeerUnreachable, match="before the reply to op=echo"):
+            client.collect()
