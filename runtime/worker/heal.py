@@ -81,26 +81,30 @@ class Agreement:
     step: int | None            # None: no heal; fall back to the plan's committed step
     live: tuple[int, ...]       # every rank's live replicated step, by rank
     seconds: float
+    interval: int = 0           # the largest snapshot interval any rank had agreed to
 
 
 def agree(*, rank: int, world: int, live_step: int, replicated: bool,
           probe: Callable[[int], bool],
-          reduce: Callable[[torch.Tensor], torch.Tensor]) -> Agreement:
+          reduce: Callable[[torch.Tensor], torch.Tensor], interval: int = 0) -> Agreement:
     """Rounds 1-3 on this rank (see the module docstring): two small all-reduces; every
     rank returns the same agreement. ``probe(step)``: this rank's per-rank snapshot of
     ``step`` is held by one of its sources; ``reduce``: the new group's all-reduce (raises
-    ``CollectiveAborted``)."""
+    ``CollectiveAborted``); ``interval``: the snapshot interval this rank had agreed to (0:
+    none, a replacement), gathered in the first round so the healed ranks go on at the
+    survivors' interval instead of measuring it again from every step."""
     started = time.perf_counter()
-    live = tuple(row[0] for row in _gather([live_step], rank, world, reduce))
+    rows = _gather([live_step, interval], rank, world, reduce)
+    live, agreed = tuple(row[0] for row in rows), max(row[1] for row in rows)
     steps = candidates(live, replicated)
     if not steps:
-        return Agreement(None, live, round(time.perf_counter() - started, 4))
+        return Agreement(None, live, round(time.perf_counter() - started, 4), agreed)
     mine = [int(_safe_probe(probe, s)) for s in steps]
     available = [[bool(v) for v in row] for row in _gather(mine, rank, world, reduce)]
     step = choose_step(live, available, steps, replicated)
-    log.info("event=heal_agree rank=%d live=%s candidates=%s available=%s step=%s", rank,
-             list(live), steps, mine, step)
-    return Agreement(step, live, round(time.perf_counter() - started, 4))
+    log.info("event=heal_agree rank=%d live=%s candidates=%s available=%s step=%s "
+             "interval=%d", rank, list(live), steps, mine, step, agreed)
+    return Agreement(step, live, round(time.perf_counter() - started, 4), agreed)
 
 
 def finish(agreement: Agreement, *, rank: int, world: int, loaded: bool,

@@ -60,9 +60,13 @@ def _heal_rank(rank: Rank, live: list[int], per_rank_steps: list[list[int]]) -> 
     def broadcast(tensor: torch.Tensor, src: int) -> None:
         collective.wait(collective.start_broadcast(tensor, src), tensor, lambda: False)
 
+    # survivors had agreed on a snapshot interval (rank 1 measured a longer one since the
+    # last agreement); a replacement has none
+    interval = 10 + rank.rank if mine >= 0 else 0
     agreement = heal.agree(rank=rank.rank, world=rank.world_size, live_step=mine,
-                           replicated=True, reduce=reduce,
+                           replicated=True, reduce=reduce, interval=interval,
                            probe=lambda s: s in per_rank_steps[rank.rank])
+    assert agreement.interval == 11           # the largest, on every rank
     if agreement.step is None:
         return {"step": None, "equal": _state_bytes(model, opt) == _state_bytes(*_trained(mine))}
     done = heal.finish(agreement, rank=rank.rank, world=rank.world_size, loaded=True,
