@@ -321,9 +321,9 @@ class FrameClient:
             self._pending, self._outcome = header.get("op", "-"), None
 
     def collect(self) -> dict[str, Any] | None:
-        """The reply header of the last ``send``, its payload dropped (waits for it; raises its error, or
-        PeerUnreachable when the connection ended first); None when nothing was sent since
-        the last ``collect``."""
+        """The reply header of the last ``send``, its payload dropped (waits for it; raises
+        its error, or PeerUnreachable when the connection ended first); None when nothing
+        was sent since the last ``collect``."""
         with self._lock:
             self._read_pending()
             outcome, self._outcome = self._outcome, None
@@ -340,15 +340,7 @@ class FrameClient:
         try:
             if sock is None:
                 raise PeerUnreachable(f"{where}: connection closed before the reply to op={op}")
-            reply = recv_header(sock, where=where, max_payload=self._max_payload)
-            if reply is None:
-                raise PeerUnreachable(f"{where}: connection closed before the reply to op={op}")
-            if reply.get("ok") is not False:
-                self._receive(sock, reply, None, op)     # (a payload is read and dropped)
-            elif reply["nbytes"]:
-                raise FrameInvalid(f"{where}: error reply to op={op} carries a payload")
-            if reply.get("closing"):
-                self._drop()
+            reply, _ = self._read_reply(sock, op, None)     # (a payload is read and dropped)
         except BaseException as exc:
             self._drop()
             self._outcome = exc
@@ -379,21 +371,30 @@ class FrameClient:
             try:
                 send_frame(sock, header, payload, where=where, chunk_bytes=self._chunk)
                 sock.settimeout(reply_timeout_s or self._timeout_s)
-                reply = recv_header(sock, where=where, max_payload=self._max_payload)
-                sock.settimeout(self._timeout_s)
-                if reply is None:
-                    raise PeerUnreachable(f"{where}: connection closed before the reply to op={op}")
-                data = None
-                if reply.get("ok") is not False:
-                    data = self._receive(sock, reply, sink, op)
-                elif reply["nbytes"]:
-                    raise FrameInvalid(f"{where}: error reply to op={op} carries a payload")
-                if reply.get("closing"):
-                    self._drop()
+                reply, data = self._read_reply(sock, op, sink)
             except BaseException:
                 self._drop()  # the stream may be mid-frame: never reuse it
                 raise
         raise_for_reply(reply, where)
+        return reply, data
+
+    def _read_reply(self, sock: socket.socket, op: str, sink: Sink | None
+                    ) -> tuple[dict[str, Any], bytearray | None]:
+        """With the lock held: the reply header to ``op`` and its payload (into ``sink``);
+        raises what breaks the stream (the caller drops the connection), not the op's own
+        error (``raise_for_reply``)."""
+        where = self.address
+        reply = recv_header(sock, where=where, max_payload=self._max_payload)
+        sock.settimeout(self._timeout_s)
+        if reply is None:
+            raise PeerUnreachable(f"{where}: connection closed before the reply to op={op}")
+        data = None
+        if reply.get("ok") is not False:
+            data = self._receive(sock, reply, sink, op)
+        elif reply["nbytes"]:
+            raise FrameInvalid(f"{where}: error reply to op={op} carries a payload")
+        if reply.get("closing"):
+            self._drop()
         return reply, data
 
     def _receive(self, sock: socket.socket, reply: dict[str, Any], sink: Sink | None,
