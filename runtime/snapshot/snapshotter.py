@@ -507,7 +507,8 @@ class Snapshotter:
             sums = finish(work.job, work.helpers)
             assert work.marks is not None
             work.marks.wait_all()
-        if self._inline and work.claimed is None:
+        inline = self._inline and work.claimed is None     # (CPU, on the training thread)
+        if inline:
             work.check.judge()      # copied on the training thread: nothing ran since
         verdict_from = time.perf_counter()
         if self._torn(step, work.check):
@@ -520,7 +521,7 @@ class Snapshotter:
                                  created_at=time.time())
         if self._secret:
             manifest = manifest.sign(self._secret)
-        if self._inline and work.claimed is None:
+        if inline:
             self._client.send_publish(self._rank, step, slot, manifest.to_json(),
                                       layout.total_bytes)
             self._sent = True

@@ -244,9 +244,9 @@ class Rejoining:
         def broadcast(tensor: torch.Tensor, src: int) -> None:
             collective.wait(collective.start_broadcast(tensor, src), tensor, abort)
 
-        snapshotter = self._snapshotter
-        agreed = snapshotter.interval if snapshotter is not None and \
-            snapshotter.shares_interval and self._holds_state else 0
+        snapshotter = self._snapshotter if self._snapshotter is not None and \
+            self._snapshotter.shares_interval else None     # every_steps: auto, world > 1
+        agreed = snapshotter.interval if snapshotter is not None and self._holds_state else 0
         agreement = heal.agree(rank=ctx.rank, world=world_size, live_step=live,
                                replicated=classes.split, reduce=reduce, interval=agreed,
                                probe=holdings_probe(keepers, channel, job=ctx.job, secret=ctx.secret,
@@ -287,7 +287,7 @@ class Rejoining:
                  "received_bytes=%d seconds=%.3f", ctx.rank, generation, agreement.step, source,
                  list(holders), received, time.perf_counter() - started)
         self._after_restore(agreement.step, generation)
-        if snapshotter is not None and snapshotter.shares_interval and agreement.interval:
+        if snapshotter is not None and agreement.interval:
             # every rank healed at the same step: the survivors' interval goes on from there
             # (starting again at 1 made a large state's next steps snapshot back to back)
             snapshotter.agree_interval(agreement.interval)
