@@ -214,6 +214,31 @@ class ReplicationConfig:
         return self.factor if self.enabled else 0
 
 
+# A tier at every_steps: auto persists the full snapshots snapshot.every_steps: auto takes
+# (its writes count in snapshot.overhead_budget); with a fixed snapshot interval it persists
+# a window of this many steps, the tier's default before auto.
+AUTO_TIER_WINDOW = {"disk": 50, "s3": 200}
+_TIER_EVERY_DOC = ("persist the first snapshot step of every window of this many steps, or "
+                   "'auto': every full snapshot that snapshot.every_steps: auto takes, the "
+                   "writes counted in snapshot.overhead_budget (with a fixed "
+                   "snapshot.every_steps, auto is a window of {window})")
+
+
+def _check_tier_every(value: Any, key: str, example: int) -> None:
+    _require(value == "auto" or (isinstance(value, int) and value >= 1), key,
+             f"{value!r} is neither 'auto' nor >= 1", f"use 'auto' or a number of steps, e.g. "
+             f"{example}")
+
+
+def tier_window(tier: str, every_steps: int | str, snapshot_every: int | str) -> int:
+    """The steps of one window of a tier (``cadence.pick_step``): its every_steps, or for
+    ``auto`` 0 (every full snapshot) when the snapshot interval is auto too, else
+    ``AUTO_TIER_WINDOW``."""
+    if every_steps != "auto":
+        return int(every_steps)
+    return 0 if snapshot_every == "auto" else AUTO_TIER_WINDOW[tier]
+
+
 _EVERY_S_DOC = ("also persist once per wall-clock window of this many seconds (windows "
                 "start at multiples of it, the same on every node); 0 = steps only")
 
@@ -227,14 +252,12 @@ def _check_every_s(value: float, key: str) -> None:
 class DiskTierConfig:
     enabled: bool = doc("persist committed steps to local disk", True)
     path: str = doc("folder of the disk tier; empty = <run dir>/checkpoints", "")
-    every_steps: int = doc("persist the first snapshot step of every window of this many "
-                           "steps", 50)
+    every_steps: int | Literal["auto"] = doc(_TIER_EVERY_DOC.format(window=50), "auto")
     every_s: float = doc(_EVERY_S_DOC, 0.0)
     keep: int = doc("complete steps kept", 2)
 
     def __post_init__(self) -> None:
-        _require(self.every_steps >= 1, "tiers.disk.every_steps", f"{self.every_steps} is below 1",
-                 "use e.g. 50")
+        _check_tier_every(self.every_steps, "tiers.disk.every_steps", 50)
         _check_every_s(self.every_s, "tiers.disk.every_s")
         _require(self.keep >= 1, "tiers.disk.keep", f"{self.keep} is below 1", "keep at least 1")
 
@@ -278,8 +301,7 @@ class S3TierConfig:
     prefix: str = doc("key prefix inside the bucket", "phalanx")
     endpoint_url: str = doc("S3 endpoint (empty = AWS)", "")
     region: str = doc("S3 region", "us-east-1")
-    every_steps: int = doc("persist the first snapshot step of every window of this many "
-                           "steps", 200)
+    every_steps: int | Literal["auto"] = doc(_TIER_EVERY_DOC.format(window=200), 200)
     every_s: float = doc(_EVERY_S_DOC, 0.0)
     keep: int = doc("complete steps kept", 2)
     expected_owner: str = doc("AWS account id sent as ExpectedBucketOwner on every request", "")
@@ -294,8 +316,7 @@ class S3TierConfig:
                  "set the bucket name or disable the tier")
         _require(self.sse in ("", "AES256", "aws:kms"), "tiers.s3.sse", f"{self.sse!r} is unknown",
                  "use '', 'AES256' or 'aws:kms'")
-        _require(self.every_steps >= 1, "tiers.s3.every_steps", f"{self.every_steps} is below 1",
-                 "use e.g. 200")
+        _check_tier_every(self.every_steps, "tiers.s3.every_steps", 200)
         _require(self.keep >= 1, "tiers.s3.keep", f"{self.keep} is below 1", "keep at least 1")
         validate_bucket(self.bucket)
 
@@ -304,6 +325,11 @@ class S3TierConfig:
 class TiersConfig:
     disk: DiskTierConfig = doc("local disk tier", factory=DiskTierConfig)
     s3: S3TierConfig = doc("S3 tier", factory=S3TierConfig)
+
+    def windows(self, snapshot_every: int | str) -> dict[str, int]:
+        """Each enabled tier's window in steps (0: every full snapshot; ``tier_window``)."""
+        return {name: tier_window(name, t.every_steps, snapshot_every)
+                for name, t in (("disk", self.disk), ("s3", self.s3)) if t.enabled}
 
 
 @dataclass(frozen=True)

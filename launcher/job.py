@@ -441,7 +441,8 @@ class JobRunner:
             keeper_host=keeper_host, keeper_port=keeper_port,
             snapshot_every=str(cfg.snapshot.every_steps),
             overhead_budget=cfg.snapshot.overhead_budget,
-            tier_windows=tuple(t.every_steps for t in (cfg.tiers.disk, cfg.tiers.s3) if t.enabled),
+            tier_windows=tuple(w for w in cfg.tiers.windows(cfg.snapshot.every_steps).values()
+                               if w > 0),
             checksum=cfg.snapshot.checksum,
             secret_hex=self.secret_hex, etcd_client=client_fields(cfg.etcd),
             plan_timeout_s=plan_timeout_s(cfg), drills=cfg.drills.active,

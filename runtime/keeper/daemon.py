@@ -71,6 +71,7 @@ class Keeper:
         self._seq = itertools.count()
         self._closed = False
         self._push_s: dict[tuple[int, str], float] = {}     # (rank, holder) -> last push
+        self._tier_s: dict[int, float] = {}     # rank -> tier writes since its last claim
         self._committed = -1              # the job's committed step, as last read from etcd
         # ranks whose slots (own) or replicas this keeper no longer needs since a new
         # placement, -> the committed step then: released once a newer step commits
@@ -524,6 +525,17 @@ class Keeper:
         a snapshot costs the machine beyond its capture (``snapshot.every_steps: auto``)."""
         with self._cond:
             return sum(s for (r, _), s in self._push_s.items() if r == rank)
+
+    def record_tier_work(self, rank: int, seconds: float) -> None:
+        """A tier wrote ``rank``'s snapshot in ``seconds``."""
+        with self._cond:
+            self._tier_s[rank] = self._tier_s.get(rank, 0.0) + seconds
+
+    def take_tier_work(self, rank: int) -> float:
+        """Seconds tiers spent writing ``rank``'s snapshots since the last call: told once,
+        at a claim, so the writer counts every write once (``snapshot.every_steps: auto``)."""
+        with self._cond:
+            return self._tier_s.pop(rank, 0.0)
 
     def note_committed(self, step: int) -> None:
         """The job's committed step (read from etcd by the reporter); it only moves on.

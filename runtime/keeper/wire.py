@@ -42,6 +42,7 @@ class _Served(Protocol):
     def claim(self, rank: int, protect_step: int | None = None, *,
               wait: bool = True) -> tuple[int, str]: ...
     def replication_cost(self, rank: int) -> float: ...
+    def take_tier_work(self, rank: int) -> float: ...
     def committed_step(self) -> int: ...
     def publish(self, rank: int, step: int, slot: int, manifest: bytes, nbytes: int, *,
                 notify: bool = True) -> None: ...
@@ -137,7 +138,7 @@ def handle(keeper: _Served, request: Request,
 def _claimed(keeper: _Served, rank: int, slot: int, path: str) -> dict[str, Any]:
     """A claim's reply: the slot, and what the writer learns from the keeper at a claim."""
     return {"slot": slot, "path": path, "replication_s": keeper.replication_cost(rank),
-            "committed": keeper.committed_step()}
+            "tier_s": keeper.take_tier_work(rank), "committed": keeper.committed_step()}
 
 
 def _get(keeper: _Served, rank: int, step: int | None) -> Reply:
@@ -208,8 +209,10 @@ class KeeperClient:
                                    generation=generation)
         self._timeout_s = timeout_s
         # what the keeper said at the last claim: seconds its replicator spent pushing the
-        # claimed rank's previous snapshot to every holder, and the job's committed step
+        # claimed rank's previous snapshot to every holder, seconds its tiers spent writing
+        # the rank's snapshots since the claim before, and the job's committed step
         self.replication_s = 0.0
+        self.tier_s = 0.0
         self.committed = -1
 
     @property
@@ -260,6 +263,7 @@ class KeeperClient:
 
     def _note_claim(self, reply: dict[str, Any]) -> tuple[int, str]:
         self.replication_s = float(reply.get("replication_s", 0.0))
+        self.tier_s = float(reply.get("tier_s", 0.0))
         committed = reply.get("committed", -1)
         self.committed = max(self.committed, committed if type(committed) is int else -1)
         return reply["slot"], reply["path"]

@@ -132,7 +132,8 @@ class _IntervalController:
     """Picks the snapshot interval: fixed, or ``auto`` — the most frequent interval whose
     cost per snapshot times ``UNSEEN_COST`` stays within the overhead budget of the time of
     a step no snapshot touched. A snapshot's cost is the larger of what its threads took
-    (training stall + background publish + the keeper's replica pushes: ``observe_work``)
+    (training stall + background publish + the keeper's replica pushes and tier writes:
+    ``observe_work``)
     and what the loop felt (the stall + how much longer than a plain step the
     ``AFTER_STEPS`` steps after the capture took: ``observe_capture`` then
     ``observe_step``). Only the training thread calls ``observe_capture``/``observe_step``.
@@ -531,8 +532,9 @@ class Snapshotter:
         if self.on_published is not None:
             self.on_published(step, sums, spec)
         background = time.perf_counter() - started - waited
-        if stall is not None:   # and the replicas the keeper pushed of the previous snapshot
-            self._control.observe_work(stall + background + self._client.replication_s)
+        if stall is not None:   # + the keeper's pushes of the previous snapshot, tier writes
+            self._control.observe_work(stall + background + self._client.replication_s
+                                       + self._client.tier_s)
         with self._lock:
             self.stats.captures += 1
             self.stats.last_step = step

@@ -15,6 +15,10 @@ the epoch: the same on every node with synchronized clocks); the first poll in a
 persists the oldest held step newer than the last attempt. With ``snapshot.every_steps:
 auto`` the ranks agree on one interval at every snapshot step (``Session._agree_interval``),
 so they snapshot the same steps too; a step not held by every local rank is never persisted.
+``every_steps`` 0 (a tier at ``every_steps: auto`` while the snapshot interval is auto) has
+no windows: every full snapshot step is persisted, oldest first, which every node walks
+alike (a step a node no longer holds when its poll comes is skipped there and never
+commits; the next one agrees again).
 
 """
 from __future__ import annotations
@@ -29,10 +33,13 @@ def pick_step(ready: Iterable[int], attempted: int, every_steps: int,
     ``ready``: steps every local rank holds; ``attempted``: the newest step tried (0
     before the first). A newer window of ``every_steps`` than ``attempted``'s → the oldest
     ready step of the newest such window; else, when ``time_due``, the oldest ready step
-    newer than ``attempted``."""
+    newer than ``attempted``. ``every_steps`` 0: the oldest ready step newer than
+    ``attempted``."""
     fresh = sorted(s for s in ready if s > attempted)
     if not fresh:
         return None
+    if every_steps == 0:
+        return fresh[0]
     window = fresh[-1] // every_steps
     if window > max(attempted, 0) // every_steps:
         return min(s for s in fresh if s // every_steps == window)

@@ -51,10 +51,10 @@ def open_tier(cfg: PhalanxConfig, name: str = "disk", *,
 def tier_specs(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int, float]]:
     """(tier, every_steps, keep, every_s) for each enabled tier: what TierPersister takes.
     Each tier is bound to the run of ``run_dir`` (``run_identity.run_id_of``)."""
-    disk, s3 = cfg.tiers.disk, cfg.tiers.s3
     run = run_id_of(run_dir)
-    return [(open_tier(cfg, name, run_dir=run_dir, run_id=run), t.every_steps, t.keep, t.every_s)
-            for name, t in (("disk", disk), ("s3", s3)) if t.enabled]
+    windows = cfg.tiers.windows(cfg.snapshot.every_steps)
+    return [(open_tier(cfg, name, run_dir=run_dir, run_id=run), windows[name], t.keep, t.every_s)
+            for name, t in (("disk", cfg.tiers.disk), ("s3", cfg.tiers.s3)) if t.enabled]
 
 
 def build_tiers(cfg: PhalanxConfig, run_dir: str) -> list[tuple[Tier, int, int]]:

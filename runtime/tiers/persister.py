@@ -151,9 +151,9 @@ class TierPersister:
         self._thread: threading.Thread | None = None
 
     def _tier_state(self, tier: Tier, every: int, keep: int, every_s: float = 0.0) -> _TierState:
-        if every < 1 or keep < 1 or not every_s >= 0:
-            raise ValueError(f"tier {tier.name}: every_steps {every} and keep {keep} must be "
-                             f">= 1, every_s {every_s} >= 0")
+        if every < 0 or keep < 1 or not every_s >= 0:
+            raise ValueError(f"tier {tier.name}: every_steps {every} must be >= 0 (0: every "
+                             f"snapshot), keep {keep} >= 1, every_s {every_s} >= 0")
         state = _TierState(tier, every, keep, float(every_s))
         state.time_window = self._time_window(state)
         return state
@@ -324,6 +324,7 @@ class TierPersister:
         for rank in ranks:
             if self._stop.is_set():
                 return
+            began = time.monotonic()
             try:
                 written += self._write_rank(state.tier, rank, step)
             except (SnapshotNotFound, SnapshotCorrupt, Preempted) as exc:
@@ -332,6 +333,8 @@ class TierPersister:
             except (TierUnavailable, OSError) as exc:
                 self._write_failed(state, step, exc)
                 return
+            # what persisting cost beyond the capture: snapshot.every_steps: auto counts it
+            self._keeper.record_tier_work(rank, time.monotonic() - began)
         state.retry_step, state.retry_tries = None, 0
         with self._lock:
             state.persisted = step

@@ -57,6 +57,9 @@ from phalanx.runtime.snapshot.state_tree import (RNGState, assign_in_place, flat
 
 log = logging.getLogger(__name__)
 FINISHED_PREFIX = "finished/"
+# ``every_steps: auto``: the ranks also agree on the interval every this many steps (one
+# all_reduce of world_size integers, started then and collected this many steps later)
+AGREE_EVERY_STEPS = 16
 _final: dict[str, str] = {}      # the last closed session's state digest (the worker reports it)
 
 
@@ -583,7 +586,9 @@ class Session(Rejoining):
             except StaleGeneration as exc:  # the keeper already serves a newer generation
                 self._recover(f"snapshot fenced: {exc}")
                 return
-            if snapshotter.due(self._progress.step_index):
+            step = self._progress.step_index
+            due = snapshotter.due(step)
+            if due:
                 if not self._compare_replicas(collect=True):
                     return
                 try:
@@ -593,8 +598,8 @@ class Session(Rejoining):
                     return
                 if not self._compare_replicas(collect=False):
                     return
-                if snapshotter.shares_interval:
-                    self._agree_interval(snapshotter)
+            if snapshotter.shares_interval and (due or step % AGREE_EVERY_STEPS == 0):
+                self._agree_interval(snapshotter)
 
     def _hold_at_gate(self, step: int) -> None:
         """A drill's fault is due at ``step``: held before it runs until the launcher fired
@@ -639,12 +644,15 @@ class Session(Rejoining):
         return True
 
     def _agree_interval(self, snapshotter: Snapshotter) -> None:
-        """``every_steps: auto`` in a multi-rank job: at each snapshot step (the same on
-        every rank, by induction from step 0 and from every restore step) the ranks take
-        the largest interval any of them wants, in one all_reduce of world_size integers on
-        the session's own group, so every rank snapshots the same steps. The all_reduce
-        started at one snapshot step is collected at the next (long done by then, so no
-        rank waits for a slower one); its interval applies from there on every rank."""
+        """``every_steps: auto`` in a multi-rank job: at each snapshot step and every
+        ``AGREE_EVERY_STEPS`` steps (the same steps on every rank, by induction from step 0
+        and from every restore step) the ranks take the largest interval any of them
+        wants, in one all_reduce of world_size integers on the session's own group, so
+        every rank snapshots the same steps. The all_reduce started at one such step is
+        collected at the next (long done by then, so no rank waits for a slower one); its
+        interval applies from there on every rank. Agreeing between snapshots too lets
+        what the first snapshots measured (their pushes, their tier writes) stretch the
+        interval within a few dozen steps, not one long interval later."""
         pending, self._agreement = self._agreement, None
         try:
             if pending is not None:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from phalanx.configs.errors import SnapshotNotFound
-from phalanx.configs.schema import DiskTierConfig, JobConfig, PhalanxConfig, TiersConfig
+from phalanx.configs.schema import (DiskTierConfig, JobConfig, PhalanxConfig, SnapshotConfig,
+                                    TiersConfig)
 from phalanx.runtime.keeper.daemon import Keeper, SlotBusy
 from phalanx.runtime.tiers.persister import TierPersister, pick_step
 from phalanx.runtime.snapshot.format import checksums, make_manifest, plan_layout, write_into
@@ -147,7 +148,38 @@ def test_pick_step_walks_a_schedule_of_3_onto_windows_of_20() -> None:
     assert picked == [21, 42, 60, 81, 102, 120]
 
 
+def test_pick_step_without_windows_takes_every_snapshot_oldest_first() -> None:
+    """``every_steps`` 0 (a tier at auto under an auto snapshot interval): every full
+    snapshot is persisted; a step missed (no longer held) is skipped, never waited for."""
+    assert pick_step({3, 6}, 0, 0) == 3
+    assert pick_step({3, 6}, 3, 0) == 6
+    assert pick_step({3, 6}, 6, 0) is None
+    assert pick_step({9, 12}, 3, 0) == 9            # 6 went before this node's poll
+    assert pick_step(set(), 0, 0) is None
+
+
 # --- cadence across nodes -----------------------------------------------------------------
+
+def test_two_nodes_with_an_auto_tier_commit_every_snapshot_step(nodes) -> None:
+    tier = MemoryTier(JOB)
+    world = [0, 1]
+    n0 = nodes("n0", [0], [(tier, 0, 10)], world)
+    n1 = nodes("n1", [1], [(tier, 0, 10)], world)
+    for node in (n0, n1):
+        node.persister.start()
+    steps = [7, 19, 40, 41, 90]                      # an auto interval that moves
+    for step in steps:
+        for node in (n0, n1):
+            node.publish(step)
+        for node in (n0, n1):
+            node.keeper.wait_polls()
+    _wait(lambda: tier.committed_steps() == steps, f"commits of {steps}")
+    for node in (n0, n1):
+        assert node.steps("tier_persisted") == steps
+        assert node.keeper.take_tier_work(node.ranks[0]) > 0   # told to the writer
+        assert node.keeper.take_tier_work(node.ranks[0]) == 0  # once
+
+
 
 def test_two_nodes_snapshotting_every_3_commit_the_same_steps_every_20(nodes) -> None:
     tier = MemoryTier(JOB)  # one shared store, as S3 or a shared disk would be
@@ -197,6 +229,21 @@ def test_tier_specs_pass_every_s_through(tmp_path: Path) -> None:
     [(tier, every, keep, every_s)] = tier_specs(cfg, str(tmp_path))
     assert (tier.name, every, keep, every_s) == ("disk", 7, 3, 30.0)
     assert [spec[1:] for spec in build_tiers(cfg, str(tmp_path))] == [(7, 3)]
+
+
+def test_tier_specs_resolve_auto_by_the_snapshot_interval(tmp_path: Path) -> None:
+    """A tier at ``every_steps: auto`` persists every full snapshot (window 0) when the
+    snapshot interval is auto, and falls back to its old default window when it is fixed."""
+    from phalanx.runtime.tiers.config import tier_specs
+
+    def windows(snapshot_every: int | str) -> list[int]:
+        cfg = PhalanxConfig(job=JobConfig(entrypoint="x.py:main", name=JOB),
+                            snapshot=SnapshotConfig(every_steps=snapshot_every))
+        return [spec[1] for spec in tier_specs(cfg, str(tmp_path))]
+
+    assert PhalanxConfig(job=JobConfig(entrypoint="x.py:main")).tiers.disk.every_steps == "auto"
+    assert windows("auto") == [0]
+    assert windows(5) == [50]
 
 
 # --- a slow tier with 2 slots ---------------------------------------------------------------

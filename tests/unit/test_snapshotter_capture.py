@@ -150,3 +150,38 @@ def test_auto_counts_the_keepers_replica_pushes_as_snapshot_cost() -> None:
             client.close()
     assert alone < 20                               # a 16 KiB capture is cheap
     assert snap.wanted_interval >= 0.2 * 0.5 / (0.03 * 0.05)   # the pushes dominate now
+
+
+def test_auto_counts_tier_writes_once_each() -> None:
+    """A tier's write of a rank's snapshot is a cost of snapshotting too (a tier at
+    ``every_steps: auto`` persists every full snapshot): the keeper tells it at the next
+    claim, once, so the interval stretches while a second claim sees none of it."""
+    job = f"tier{secrets.token_hex(3)}"
+    objects = {"t": torch.ones(4096)}
+    with Keeper("node0", job, SECRET) as keeper:
+        client = KeeperClient(*keeper.address, SECRET, job)
+        snap = Snapshotter(client, job=job, rank=0, generation=0, secret=SECRET,
+                           policy=SnapshotPolicy(every_steps="auto", overhead_budget=0.03))
+        try:
+            snap.observe_step(0.05)
+            for step in range(1, 5):
+                snap.capture(step, objects)
+                snap.flush()
+            alone = snap.wanted_interval
+            told = []
+            for step in range(5, 10):
+                keeper.record_tier_work(0, 0.1)        # a write of 0.1 s per snapshot,
+                keeper.record_tier_work(0, 0.2)        # and another tier's of 0.2 s
+                keeper.record_tier_work(1, 5.0)        # another rank's writes are not ours
+                snap.capture(step, objects)
+                snap.flush()
+                told.append(client.tier_s)
+            snap.capture(10, objects)                  # nothing written since the last claim
+            snap.flush()
+            assert client.tier_s == 0.0
+        finally:
+            snap.close()
+            client.close()
+    assert told == [pytest.approx(0.3)] * 5
+    assert alone < 20
+    assert snap.wanted_interval >= 0.3 * 0.5 / (0.03 * 0.05)
