@@ -95,7 +95,48 @@ def live_document(info: Mapping[str, Any], run_dir: Path, members: Mapping[str, 
             "generation": generation, "phase": _phase(etcd_events) or _phase(events) or "steady",
             "committed_step": committed, "world_size": int(info.get("world_size", 0)),
             "ranks": ranks, "keepers": keepers, "events": recent, "goodput": dict(goodput),
+            "state_copies": state_copies([r for r in members.values() if r.rank >= 0], keepers),
             "protection": protection([*events, *etcd_events]), "summary": None}
+
+
+def state_copies(members: Sequence[MemberRecord],
+                 keepers: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Pure: one row per state class the ranks registered (their member records'
+    ``snapshot.classes``; a module whose parameters are replicated and whose buffers are
+    per rank, BatchNorm's statistics without SyncBatchNorm, is in both) with the objects
+    in it and where its copies live: in the ranks' memory, and in which snapshots of the
+    keepers. Empty before the ranks' first snapshot."""
+    objects: dict[str, set[str]] = {}
+    intervals: set[int] = set()
+    for member in members:
+        info = member.extra.get("snapshot") or {}
+        for name, kind in (info.get("classes") or {}).items():
+            for cls in (("replicated", "per_rank") if kind == "split" else (kind,)):
+                objects.setdefault(str(cls), set()).add(str(name))
+        if "every_steps" in info:
+            intervals.add(int(info["every_steps"]))
+    if not objects:
+        return []
+    ranks = len(members)
+    held: dict[str, int] = {}
+    for keeper in keepers:
+        for rank in keeper["replicas"]:
+            held[rank] = held.get(rank, 0) + 1
+    replicas = min((held.get(str(m.rank), 0) for m in members), default=0)
+    every = "/".join(str(i) for i in sorted(intervals)) or "?"
+    full = (f"full snapshot every {every} steps in the rank's keeper + {replicas} "
+            f"replica{'s' if replicas != 1 else ''} on other nodes")
+    live = {"replicated": f"{ranks} (every rank of the data-parallel group; a lost rank "
+                          "heals from a live one)",
+            "sharded": "1 per shard (its rank)",
+            "per_rank": "1 per rank"}
+    snapshots = {"replicated": full + " (used only when no live copy is left)",
+                 "sharded": full,
+                 "per_rank": "every step in the rank's keeper (its per-rank channel, what a "
+                             "heal restores it from); also in every " + full}
+    return [{"class": cls, "objects": sorted(objects[cls]), "live": live.get(cls, "?"),
+             "snapshots": snapshots.get(cls, full)}
+            for cls in ("replicated", "sharded", "per_rank") if cls in objects]
 
 
 def ended_document(info: Mapping[str, Any], run_dir: Path, summary: Mapping[str, Any],

@@ -34,9 +34,21 @@ def render_status(doc: Doc, console: Console) -> None:
     grouped = len(ranks) >= GROUP_FROM
     console.print(rank_groups_table(ranks) if grouped else ranks_table(ranks))
     console.print(snapshot_groups_table(doc) if grouped else snapshots_table(doc))
+    if doc.get("state_copies"):
+        console.print(state_copies_table(doc["state_copies"]))
     console.print(keepers_view(doc["keepers"]))
     if doc["events"]:
         console.print(events_table(doc["events"]))
+
+
+def state_copies_table(rows: Sequence[Mapping[str, Any]]) -> Table:
+    """Where each state class's copies live (``phalanx.launcher.status.state_copies``)."""
+    table = Table(title="state by class: where its copies live")
+    for column in ("class", "objects", "live copies", "snapshots"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["class"], ", ".join(row["objects"]), row["live"], row["snapshots"])
+    return table
 
 
 def _render_ended(doc: Doc, console: Console) -> None:

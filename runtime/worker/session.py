@@ -707,17 +707,21 @@ class Session(Rejoining):
 
     def _snapshot_extra(self) -> dict[str, Any]:
         """The snapshots' cost so far (the launcher's metrics): the interval in force, the
-        training thread's summed capture stall, the captures published and (when any) the
-        ones dropped as torn (``event=snapshot_torn``). Changes at most
-        once per capture, so it adds no heartbeat writes."""
+        training thread's summed capture stall, the captures published, (when any) the
+        ones dropped as torn (``event=snapshot_torn``) and each registered object's state
+        class (``phalanx status``). Changes at most once per capture, so it adds no
+        heartbeat writes."""
         snapshotter = self._snapshotter
         if snapshotter is None:
             return {}
         stats = snapshotter.stats
-        info = {"every_steps": snapshotter.interval, "stall_s": round(stats.stall_s, 6),
-                "captures": stats.captures}
+        info: dict[str, Any] = {"every_steps": snapshotter.interval,
+                                "stall_s": round(stats.stall_s, 6),
+                                "captures": stats.captures}
         if stats.torn:          # snapshots dropped as torn; later ones copied synchronously
             info["torn"] = stats.torn
+        if self._classes is not None:   # known from the first capture on
+            info["classes"] = dict(self._classes.kinds)
         return {"snapshot": info}
 
     def _beat_state(self) -> tuple:

@@ -99,6 +99,15 @@ def test_status_json_of_a_live_and_a_finished_job(tmp_path: Path, footprint: Foo
     assert all(r["step"] >= 5 and r["heartbeat_age_s"] < 10 for r in live["ranks"])
     assert sorted(k["node"] for k in live["keepers"]) == ["node0", "node1"]
     assert live["phase"] == "steady" and live["events"]
+    # the demo's DDP model and optimizer are replicated over both ranks; the scheduler and
+    # the RNGs are each rank's own, snapshotted every step
+    copies = {row["class"]: row for row in live["state_copies"]}
+    assert set(copies) == {"replicated", "per_rank"}, live["state_copies"]
+    assert set(copies["replicated"]["objects"]) == {"model", "optimizer"}
+    assert "scheduler" in copies["per_rank"]["objects"]
+    assert copies["replicated"]["live"].startswith("2 (every rank")
+    assert "1 replica on other nodes" in copies["replicated"]["snapshots"]
+    assert copies["per_rank"]["snapshots"].startswith("every step")
     assert_sums_to_wall(live["goodput"])
     assert live["goodput"]["productive_s"] > 0
 

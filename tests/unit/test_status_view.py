@@ -62,6 +62,34 @@ def test_small_jobs_get_one_row_per_rank() -> None:
     assert "w15-g0" in text and "phase detecting" in text and "so far: goodput 70.0%" in text
 
 
+def test_the_view_says_where_each_state_class_lives() -> None:
+    """Each rank's member record names its objects' classes (after its first snapshot); a
+    BatchNorm model's parameters are replicated and its statistics per rank (split)."""
+    doc = simulated(16)
+    assert doc["state_copies"] == []                   # no snapshot yet: no classes known
+    members = {f"w{rank}-g0": MemberRecord(
+        f"w{rank}-g0", rank, f"node{rank // RANKS_PER_NODE}", step=100, generation=1, pid=rank,
+        extra={"state": "running", "time": NOW, "snapshot": {
+            "every_steps": 40, "classes": {"model": "split", "optimizer": "replicated",
+                                           "__rng__": "per_rank"}}})
+        for rank in range(16)}
+    reports = {f"node{n}": KeeperReport(f"node{n}", ("127.0.0.1", 7000 + n),
+                                        local={r: (99,) for r in range(8 * n, 8 * n + 8)},
+                                        replicas={r: (99,) for r in range(8 - 8 * n, 16 - 8 * n)},
+                                        bytes_held=1, generation=1) for n in (0, 1)}
+    doc = live_document({"job": "bn", "world_size": 16}, Path("/runs/bn-1"), members, 1, 99,
+                        reports, [], [], GOODPUT, NOW)
+    copies = {row["class"]: row for row in doc["state_copies"]}
+    assert copies["replicated"]["objects"] == ["model", "optimizer"]
+    assert copies["per_rank"]["objects"] == ["__rng__", "model"]
+    assert copies["replicated"]["live"].startswith("16 (every rank")
+    assert copies["replicated"]["snapshots"].startswith(
+        "full snapshot every 40 steps in the rank's keeper + 1 replica on other nodes")
+    text = render(doc)
+    assert "state by class: where its copies live" in text
+    assert "every step in the rank's keeper" in text
+
+
 @pytest.mark.parametrize("world", [GROUP_FROM, 10_000])
 def test_from_1000_ranks_the_view_groups_ranks_and_stays_short(world: int) -> None:
     started = time.perf_counter()
