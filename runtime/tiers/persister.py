@@ -169,7 +169,8 @@ class TierPersister:
         self._thread.start()
         log.info("persister.started node=%s ranks=%s staged=%s tiers=%s", self._keeper.node,
                  self._local, self._stage,
-                 [f"{s.tier.name}:{s.every_steps}:{s.keep}:{s.every_s:g}" for s in self._states])
+                 [f"{s.tier.name}:{s.every_steps or 'auto'}:{s.keep}:{s.every_s:g}"
+                  for s in self._states])
         return self
 
     def close(self) -> None:
