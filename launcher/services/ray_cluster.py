@@ -69,6 +69,23 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def processes_naming(text: str) -> list[int]:
+    """Live processes (not this one) whose command line contains ``text`` (read from
+    /proc): a Ray process started for a cluster names that cluster's temp dir in its
+    arguments (``--log_dir=<temp dir>/session_.../logs``)."""
+    found, needle = [], text.encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # exited while we looked
+            continue
+        if needle in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
 def node_indices(node: dict[str, Any], count: int) -> list[int]:
     """The virtual node indices a ``ray.nodes()`` entry offers (by its resources)."""
     return [i for i in range(count) if node_resource(i) in node.get("Resources", {})]
@@ -210,7 +227,8 @@ class LocalRay:
         log.info("event=ray_node_removed node=%d processes=%d", index, len(raylets + doomed))
 
     def close(self) -> None:
-        """Disconnect the driver, stop every raylet, remove the temp dir. Idempotent."""
+        """Disconnect the driver, stop every raylet, kill any process left that names the
+        cluster's temp dir, remove the temp dir. Idempotent."""
         if ray.is_initialized():
             ray.shutdown()
         if self._cluster is not None:
@@ -231,6 +249,12 @@ class LocalRay:
         except Exception:  # noqa: BLE001 - helper moved between Ray versions
             pass
         if self._temp_dir is not None:
+            # what no Cluster object owns: a head whose start timed out inside Cluster()
+            # left its GCS and raylet running (seen: a retried start's first GCS lived on
+            # until the launcher exited)
+            for pid in processes_naming(str(self._temp_dir)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
 

@@ -14,7 +14,8 @@ window agrees again. ``every_s`` opens wall-clock windows too (multiples of ever
 the epoch: the same on every node with synchronized clocks); the first poll in a new one
 persists the oldest held step newer than the last attempt. With ``snapshot.every_steps:
 auto`` the ranks agree on one interval at every snapshot step and every few steps between
-(``Session._agree_interval``), so they snapshot the same steps too; a step not held by every local rank is never persisted.
+(``Session._agree_interval``), so they snapshot the same steps too; a step not held by
+every local rank is never persisted.
 ``every_steps`` 0 (a tier at ``every_steps: auto`` while the snapshot interval is auto) has
 no windows: every full snapshot step is persisted, oldest first, which every node walks
 alike (a step a node no longer holds when its poll comes is skipped there and never
