@@ -280,15 +280,22 @@ class EtcdMembership:
     @contextlib.contextmanager
     def _translate(self, op: str, key: str = "") -> Iterator[None]:
         client = self._client       # the connection the caller got from _conn()
+        where = f" key={self._prefix}{key}" if key else ""
         try:
             yield
         except _VENDOR_ERRORS as exc:
             if _unreachable(exc):
                 self._fail_over(client, _describe(exc))
-            where = f" key={self._prefix}{key}" if key else ""
             raise MembershipUnavailable(
                 f"etcd {self.endpoint} {op}{where} failed: {_describe(exc)}; "
                 "check that etcd is running and reachable") from exc
+        except ValueError as exc:
+            # grpc's "Cannot invoke RPC on closed channel!": another thread closed this
+            # membership (or failed it over) between _conn() and the call
+            if not (self._closed or self._client is not client):
+                raise
+            raise MembershipUnavailable(f"etcd {op}{where} failed: the connection was closed "
+                                        f"under the call ({exc})") from exc
 
     # -- members and the lease ---------------------------------------------------------
 

@@ -16,6 +16,7 @@ import pytest
 from phalanx.launcher.services.etcd_server import (etcd_healthy, find_etcd_binary,
                                                    free_loopback_ports)
 from phalanx.runtime.base import MemberRecord, WatchEvent
+from phalanx.configs.errors import MembershipUnavailable
 from phalanx.runtime.membership.etcd import EtcdMembership
 
 MEMBERS = 3
@@ -117,4 +118,29 @@ def test_a_transaction_in_flight_when_its_member_dies_is_settled_on_the_next(
         assert other.get("plan/5").value == b"p"      # type: ignore[union-attr]
     finally:
         ours.close()
+        other.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_a_call_whose_connection_another_thread_closes_raises_membership_unavailable(
+        etcd_cluster: dict[str, subprocess.Popen[bytes]]) -> None:
+    """grpc raises a plain ValueError for a call on a channel closed under it (seen: a
+    rank polling a drill gate while its membership was closed): the caller gets the typed
+    MembershipUnavailable it handles, not an error that ends the worker. A ValueError with
+    the connection still open is a bug, and stays one."""
+    membership = EtcdMembership([next(iter(etcd_cluster))], "/closed-under/").connect()
+    client = membership._conn()                 # what _call holds when the close comes
+    with pytest.raises(MembershipUnavailable, match="closed under the call"):
+        with membership._translate("get", "k"):
+            membership.close()
+            client.get("/closed-under/k")
+    with pytest.raises(MembershipUnavailable, match="is closed"):
+        membership.get("k")
+    other = EtcdMembership([next(iter(etcd_cluster))], "/closed-under/").connect()
+    try:
+        with pytest.raises(ValueError, match="a bug"):
+            with other._translate("get", "k"):
+                raise ValueError("a bug")
+    finally:
         other.close()
