@@ -4,8 +4,10 @@ background threads) and, on a GPU host, for CUDA state (checksums follow the
 device-to-host copies, event by event)."""
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -125,11 +127,14 @@ def test_cuda_capture_hashes_each_part_as_it_lands(monkeypatch: pytest.MonkeyPat
     assert capture_and_check({"model": model, "optimizer": optimizer}, 2) == 2
 
 
-def test_auto_counts_the_keepers_replica_pushes_as_snapshot_cost() -> None:
-    """``every_steps: auto`` keeps the whole cost of a snapshot under budget, and pushing
-    it to the replica holders is part of that cost (the keeper reports it at each claim)."""
-    job = f"cost{secrets.token_hex(3)}"
-    objects = {"t": torch.ones(4096)}
+AUTO_STATE = {"t": torch.ones(4096)}
+
+
+@contextlib.contextmanager
+def auto_snapshotter() -> Iterator[tuple[Keeper, KeeperClient, Snapshotter, int]]:
+    """A keeper, a client and an ``auto`` snapshotter of a 16 KiB state at 50 ms steps,
+    after 4 captures: (keeper, client, snapshotter, the interval those alone asked for)."""
+    job = f"auto{secrets.token_hex(3)}"
     with Keeper("node0", job, SECRET) as keeper:
         client = KeeperClient(*keeper.address, SECRET, job)
         snap = Snapshotter(client, job=job, rank=0, generation=0, secret=SECRET,
@@ -137,17 +142,23 @@ def test_auto_counts_the_keepers_replica_pushes_as_snapshot_cost() -> None:
         try:
             snap.observe_step(0.05)
             for step in range(1, 5):
-                snap.capture(step, objects)
+                snap.capture(step, AUTO_STATE)
                 snap.flush()
-            alone = snap.wanted_interval
-            keeper.record_push(0, "node1", 0.2)      # each replica push takes 0.2 s
-            for step in range(5, 10):
-                snap.capture(step, objects)
-                snap.flush()
-            assert client.replication_s == pytest.approx(0.2)
+            yield keeper, client, snap, snap.wanted_interval
         finally:
             snap.close()
             client.close()
+
+
+def test_auto_counts_the_keepers_replica_pushes_as_snapshot_cost() -> None:
+    """``every_steps: auto`` keeps the whole cost of a snapshot under budget, and pushing
+    it to the replica holders is part of that cost (the keeper reports it at each claim)."""
+    with auto_snapshotter() as (keeper, client, snap, alone):
+        keeper.record_push(0, "node1", 0.2)          # each replica push takes 0.2 s
+        for step in range(5, 10):
+            snap.capture(step, AUTO_STATE)
+            snap.flush()
+        assert client.replication_s == pytest.approx(0.2)
     assert alone < 20                               # a 16 KiB capture is cheap
     assert snap.wanted_interval >= 0.2 * 0.5 / (0.03 * 0.05)   # the pushes dominate now
 
@@ -156,32 +167,18 @@ def test_auto_counts_tier_writes_once_each() -> None:
     """A tier's write of a rank's snapshot is a cost of snapshotting too (a tier at
     ``every_steps: auto`` persists every full snapshot): the keeper tells it at the next
     claim, once, so the interval stretches while a second claim sees none of it."""
-    job = f"tier{secrets.token_hex(3)}"
-    objects = {"t": torch.ones(4096)}
-    with Keeper("node0", job, SECRET) as keeper:
-        client = KeeperClient(*keeper.address, SECRET, job)
-        snap = Snapshotter(client, job=job, rank=0, generation=0, secret=SECRET,
-                           policy=SnapshotPolicy(every_steps="auto", overhead_budget=0.03))
-        try:
-            snap.observe_step(0.05)
-            for step in range(1, 5):
-                snap.capture(step, objects)
-                snap.flush()
-            alone = snap.wanted_interval
-            told = []
-            for step in range(5, 10):
-                keeper.record_tier_work(0, 0.1)        # a write of 0.1 s per snapshot,
-                keeper.record_tier_work(0, 0.2)        # and another tier's of 0.2 s
-                keeper.record_tier_work(1, 5.0)        # another rank's writes are not ours
-                snap.capture(step, objects)
-                snap.flush()
-                told.append(client.tier_s)
-            snap.capture(10, objects)                  # nothing written since the last claim
+    with auto_snapshotter() as (keeper, client, snap, alone):
+        told = []
+        for step in range(5, 10):
+            keeper.record_tier_work(0, 0.1)            # a write of 0.1 s per snapshot,
+            keeper.record_tier_work(0, 0.2)            # and another tier's of 0.2 s
+            keeper.record_tier_work(1, 5.0)            # another rank's writes are not ours
+            snap.capture(step, AUTO_STATE)
             snap.flush()
-            assert client.tier_s == 0.0
-        finally:
-            snap.close()
-            client.close()
+            told.append(client.tier_s)
+        snap.capture(10, AUTO_STATE)                   # nothing written since the last claim
+        snap.flush()
+        assert client.tier_s == 0.0
     assert told == [pytest.approx(0.3)] * 5
     assert alone < 20
     assert snap.wanted_interval >= 0.3 * 0.5 / (0.03 * 0.05)
