@@ -17,13 +17,16 @@ from typing import Callable, Iterator
 
 import pytest
 
+from phalanx.launcher.services.leadership import COORDINATOR_KEY
 from phalanx.runtime.membership.etcd import EtcdMembership, job_prefix
 from tests.integration.launching import (ROOT, LaunchResult, Reference, gloo_reference,
                                          phalanx_command)
 from tests.integration.test_recovery import worker_pids
 
 pytestmark = pytest.mark.integration
-JOB = ("job.args.steps=120", "job.args.sleep_per_step_s=0.05")
+# long enough that the workers are still training once the standby took over: the kill
+# comes a few steps in, and a takeover (lease TTL, adopting keepers and spares) takes ~4 s
+JOB = ("job.args.steps=200", "job.args.sleep_per_step_s=0.05")
 NAME = "standbyjob"
 
 
@@ -93,8 +96,11 @@ def test_standby_takes_over_a_killed_leader_and_recovers_the_next_fault(
 
     leader = Launcher(*shared, run_root=tmp_path)
     try:
-        wait_until(lambda: slowest_step() >= 5, 240, "the leader's workers to train")
+        # the standby starts while the leader sets up, so its own start-up (seconds on a
+        # loaded machine) does not eat into the training left after the kill
+        wait_until(lambda: etcd.get(COORDINATOR_KEY) is not None, 120, "the leader's lease")
         standby = Launcher(*shared, run_root=tmp_path, standby=True)
+        wait_until(lambda: slowest_step() >= 5, 240, "the leader's workers to train")
         wait_until(lambda: standby.saw("standing by"), 120, "the standby to stand by")
         before = slowest_step()
         leader.proc.send_signal(signal.SIGKILL)
