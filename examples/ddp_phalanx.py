@@ -92,6 +92,7 @@ def main():
     with session:
         for epoch in session.epochs(args.epochs):
             sampler.set_epoch(epoch)
+            batch_size = len(next(iter(loader))[0])     # PyTorch's DDP tutorial peeks a batch
             for x, y in loader:
                 with session.step():
                     optimizer.zero_grad()
@@ -102,7 +103,7 @@ def main():
             scheduler.step()
             test_loss = evaluate(model, test_loader)
             if dist.get_rank() == 0:
-                print(f"epoch {epoch} test loss {test_loss:.5f}", flush=True)
+                print(f"epoch {epoch} batch {batch_size} test loss {test_loss:.5f}", flush=True)
     finish(model, args.out)
     dist.destroy_process_group()
 

@@ -87,6 +87,7 @@ def main():
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
+        batch_size = len(next(iter(loader))[0])     # PyTorch's DDP tutorial peeks a batch
         for x, y in loader:
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
@@ -96,7 +97,7 @@ def main():
         scheduler.step()
         test_loss = evaluate(model, test_loader)
         if dist.get_rank() == 0:
-            print(f"epoch {epoch} test loss {test_loss:.5f}", flush=True)
+            print(f"epoch {epoch} batch {batch_size} test loss {test_loss:.5f}", flush=True)
     finish(model, args.out)
     dist.destroy_process_group()
 

@@ -182,6 +182,12 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
     for rank, digest in hashes.items():
         if digest:
             print(f"rank {rank} final parameter hash {digest}")
+    if result.results and not any(isinstance(value, dict) and value.get("state_digest")
+                                  for value in result.results.values()):
+        console.print(f"phalanx: no rank of job {cfg.job.name} ran a phalanx.Session: no step "
+                      "was counted and nothing was snapshotted, so a fault would have ended "
+                      "the job as under torchrun; docs/porting.md shows the seven lines that "
+                      "make the script fault tolerant", highlight=False, markup=False)
     for record in result.recoveries:
         print(f"recovered from {record['fault']} of rank(s) {record['ranks']}: generation "
               f"{record['generation']}, rolled back to step {record['restore_step']}, fault to "

@@ -201,6 +201,14 @@ def reference_hashes(config: str, overrides: Sequence[str], console: Console,
             f"cached reference {cache}"
     console.print("fault-free reference run")
     outcome = launch(config, free)
+    if outcome.returncode == 0 and not outcome.hashes:
+        raise ConfigError(
+            "job.entrypoint", f"{cfg.job.entrypoint} ran without a phalanx.Session: its "
+            "fault-free run finished (exit 0), but no rank counted a step or reported its "
+            "state, so a fault triggered at a step would never fire and there is no final "
+            "state to compare", "make the script fault tolerant with a phalanx.Session "
+            "(docs/porting.md, section 2: seven lines), then drill it; an unchanged script "
+            "fails on a fault as it would under torchrun", source=config)
     if outcome.returncode != 0 or not outcome.hashes:
         console.print(f"the fault-free run failed (exit {outcome.returncode}); the drill "
                       "cannot be verified")

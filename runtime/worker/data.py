@@ -64,14 +64,19 @@ class LoaderPosition:
     live iterator or the next ``iter(loader)`` applies."""
 
     def __init__(self, loader: DataLoader, on_next: Callable[[], None],
-                 epochs_driven: Callable[[], bool]) -> None:
+                 epochs_driven: Callable[[], bool],
+                 epoch: Callable[[], int | None] = lambda: None) -> None:
         self.loader = loader
         self._base: Any = type(loader)     # the loader's own class (before the swap)
         self.stateful = callable(getattr(loader, "state_dict", None))
         self.on_next = on_next          # the Session's check for a fault outside a step
         self.epochs_driven = epochs_driven   # the script iterates ``session.epochs``
+        self.epoch = epoch              # the ``session.epochs`` epoch running (None: none)
         self.passes = -1                # index of the current pass (iter() calls)
         self.yielded = 0                # batches yielded in the current pass
+        self.first = 0                  # index of the current epoch's first pass
+        self._pass_epoch: int | None = None   # the epoch the current pass began in
+        self._replay_next: int | None = None  # see begin_pass
         self.start_rng: torch.Tensor | None = None
         self.start_generator: torch.Tensor | None = None
         self.pending: dict[str, Any] | None = None   # a restore not yet applied
@@ -85,7 +90,8 @@ class LoaderPosition:
 
     # -- snapshot side ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"pass": self.passes, "yielded": self.yielded}
+        state: dict[str, Any] = {"pass": self.passes, "yielded": self.yielded,
+                                 "first": self.first}
         if self.stateful:
             state["inner"] = self._base.state_dict(self.loader)
         else:
@@ -97,26 +103,58 @@ class LoaderPosition:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pending = dict(state)
         self.restores += 1
+        # a snapshot written before "first" existed: its pass is the epoch's first
+        self._replay_next = int(self.pending.get("first", self.pending["pass"]))
 
     # -- iterator side ---------------------------------------------------------------
     def begin_pass(self) -> Iterator[Any]:
-        """A new ``iter(loader)``: the pending restore's pass, else the next pass."""
+        """A new ``iter(loader)``: the pending restore's pass, else the next pass.
+
+        A restored epoch is entered again from its top, so the script makes again the
+        ``iter(loader)`` calls it made in that epoch before the restored pass (a peek such
+        as ``next(iter(loader))`` to read the batch size, as PyTorch's DDP tutorial does).
+        Those passes start anew, with the process's RNG left as it was, and the pending
+        restore waits for the pass it was captured in."""
+        pending = self.pending
+        if pending is not None and self._replay_next is not None \
+                and self._replay_next < int(pending["pass"]):
+            self.passes, self._replay_next = self._replay_next, self._replay_next + 1
+            self.yielded = 0
+            self.first, self._pass_epoch = int(pending.get("first", self.passes)), self.epoch()
+            return self._build(None, keep_rng=True)
+        return self.resume_pass()
+
+    def resume_pass(self) -> Iterator[Any]:
+        """The pending restore's pass at its restored batch (a live iterator rebuilds
+        itself with it), else the next pass."""
         if self.pending is not None:
-            state, self.pending = self.pending, None
+            state, self.pending, self._replay_next = self.pending, None, None
             self.passes, self.yielded = int(state["pass"]), int(state["yielded"])
+            self.first = int(state.get("first", self.passes))
+            self._pass_epoch = self.epoch()
             return self._build(state)
         self.passes += 1
         self.yielded = 0
+        epoch = self.epoch()
+        if epoch is None or epoch != self._pass_epoch:
+            self.first, self._pass_epoch = self.passes, epoch
         return self._build(None)
 
-    def _build(self, restored: dict[str, Any] | None) -> Iterator[Any]:
+    def _build(self, restored: dict[str, Any] | None, keep_rng: bool = False) -> Iterator[Any]:
         """The underlying iterator, created without moving the process's RNG when it
-        replays a pass (its seeds come from the pass's start state)."""
+        replays a pass (its seeds come from the pass's start state) or when ``keep_rng``."""
         loader = self.loader
         generator = loader.generator
         now = torch.get_rng_state()
         now_generator = generator.get_state() if generator is not None else None
         base_iter = self._base.__iter__
+        if restored is None and keep_rng:
+            try:
+                return base_iter(loader)
+            finally:
+                torch.set_rng_state(now)
+                if generator is not None and now_generator is not None:
+                    generator.set_state(now_generator)
         if restored is None:
             self.start_rng = now
             self.start_generator = now_generator
@@ -173,7 +211,7 @@ class _ResumingIterator:
                 log.info("event=loader_pass_ended pass=%d restored_pass=%d", self._pass,
                          restored_pass)
                 raise StopIteration      # the epochs loop re-enters the restored pass
-            self._inner = position.begin_pass()
+            self._inner = position.resume_pass()
         batch = next(self._inner)
         position.yielded += 1
         return batch

@@ -75,6 +75,8 @@ def test_an_unchanged_torchrun_script_ends_as_under_torchrun(tmp_path: Path) -> 
         ("0", "0", "2"), ("1", "0", "2"), ("0", "1", "2"), ("1", "1", "2")]
     assert all(e["WORLD_SIZE"] == "4" for e in envs)
     assert all(e["configs"] == str(root / "configs" / "__init__.py") for e in envs)
+    # unprotected, and told so: no Session counted a step or snapshotted anything
+    assert "no rank of job train ran a phalanx.Session" in " ".join(launched.stderr.split())
 
 
 @pytest.mark.timeout(240)

@@ -3,6 +3,7 @@ probability), the injector firing faults through a fake job, etcd-injected fault
 chaos campaign's reproducible draw. Every shipped scenario must load."""
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any, Callable
 
@@ -287,3 +288,34 @@ def test_partition_cuts_only_connections_that_cross_the_node_and_its_listeners()
     inside = {1, 2, 3, 4, 5}
     assert sorted(crossing(sockets, inside)) == [(5000, 0), (6000, 42000), (42000, 6000),
                                                  (44000, 7000)]
+
+
+def test_a_drill_of_a_script_without_a_session_is_refused_naming_the_fix(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unchanged torchrun script (no phalanx.Session) counts no step and reports no
+    state: its fault-free run ends with exit 0 and no final hash. The drill stops there
+    with the reason, instead of a drilled run whose step faults never fire."""
+    from phalanx.launcher.drills import commands
+    from phalanx.launcher.drills.report import RunOutcome
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n")
+    launched: list[list[str]] = []
+
+    def launch(config: str, overrides: Any) -> RunOutcome:
+        launched.append(list(overrides))
+        return RunOutcome(0, {}, tmp_path / "run", "", 1.0)
+
+    monkeypatch.setattr(commands, "launch", launch)
+    overrides = [f"job.entrypoint={script}", "job.argv=[]", f"job.run_dir={tmp_path}"]
+    with pytest.raises(ConfigError) as caught:
+        commands.reference_hashes(str(ROOT / "configs" / "demo.yaml"), overrides,
+                                  commands.Console(file=io.StringIO()))
+    assert caught.value.key == "job.entrypoint" and str(script) in caught.value.problem
+    assert "phalanx.Session" in caught.value.problem and "docs/porting.md" in caught.value.hint
+    assert len(launched) == 1 and not list((tmp_path / "references").glob("*"))
+    # a run that failed is still reported as a failed reference, not as a missing Session
+    monkeypatch.setattr(commands, "launch", lambda c, o: RunOutcome(1, {}, None, "exit 1"))
+    hashes, source = commands.reference_hashes(str(ROOT / "configs" / "demo.yaml"), overrides,
+                                               commands.Console(file=io.StringIO()))
+    assert hashes is None and source == "fault-free run failed (exit 1)"

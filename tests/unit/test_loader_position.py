@@ -92,3 +92,56 @@ def test_the_loader_stays_a_dataloader_of_its_own_class() -> None:
     LoaderPosition(loader, lambda: None, lambda: True)
     assert isinstance(loader, DataLoader) and len(loader) == 10
     assert len(loader.dataset) == 40
+
+
+def train_with_peek(kind: str, replace: tuple[int, int] | None = None,
+                    epochs: int = 3) -> list[tuple[int, int, int, list, float]]:
+    """PyTorch's DDP tutorial loop: every epoch first peeks a batch for its size
+    (``next(iter(loader))``), then iterates the loader. ``replace`` (at, to): after step
+    ``at`` the process is replaced, as a promoted spare: a new loader and position load the
+    state captured after step ``to``, and the epoch loop starts again at its epoch."""
+    torch.manual_seed(0)
+    seen: list[tuple[int, int, int, list, float]] = []
+    captured: dict[int, Any] = {}
+    step = epoch = 0
+    while True:
+        loader = make(kind)
+        box = {"epoch": epoch}
+        position = LoaderPosition(loader, lambda: None, lambda: True, lambda: box["epoch"])
+        if step:                                   # the replacement restores first
+            state, rng, epoch = captured[step]
+            position.load_state_dict(copy.deepcopy(state))
+            torch.set_rng_state(rng)
+        replaced = False
+        while epoch < epochs and not replaced:
+            box["epoch"] = epoch
+            if kind == "distributed-workers":
+                loader.sampler.set_epoch(epoch)
+            size = len(next(iter(loader)))
+            for batch in loader:
+                seen.append((step, epoch, size, batch.tolist(), torch.rand(()).item()))
+                step += 1
+                captured[step] = (copy.deepcopy(position.state_dict()), torch.get_rng_state(),
+                                  epoch)
+                if replace is not None and step == replace[0]:
+                    replace, step, replaced = None, replace[1], True
+                    seen = [s for s in seen if s[0] < step]
+                    break
+            else:
+                epoch += 1
+        if not replaced:
+            return seen
+
+
+@pytest.mark.parametrize("kind", ["distributed-workers", "random-workers", "stateful-workers"])
+def test_a_replacement_whose_epochs_peek_a_batch_resumes_at_the_restored_batch(
+        kind: str) -> None:
+    """The peek's ``iter(loader)`` in the restored epoch starts a pass of its own and
+    leaves the RNG alone; the loop's iterator resumes at the restored batch. (Before, the
+    peek took the restored position and the loop ran the whole epoch again: a spare ran
+    more steps than the survivors and the job hung in its last all-reduce.)"""
+    reference = train_with_peek(kind)
+    per_epoch = 5 if kind == "distributed-workers" else 10
+    assert len(reference) == 3 * per_epoch
+    assert train_with_peek(kind, (per_epoch + 3, per_epoch + 2)) == reference
+    assert train_with_peek(kind, (2 * per_epoch + 1, per_epoch - 2)) == reference
