@@ -7,6 +7,7 @@ GROUP_RANK."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from tests.integration.launching import ROOT
 
 pytestmark = pytest.mark.integration
 EXAMPLE = ROOT / "examples" / "ddp_torchrun.py"
+HASH = re.compile(r"^rank \d+ final parameter hash ([0-9a-f]{64})$", re.M)
 
 WRAPPER = f'''"""The user's entry script: reads its own package `configs`, then runs the example."""
 import json, os, runpy, sys
@@ -95,3 +97,36 @@ def test_a_script_that_fails_before_training_shows_its_own_error(tmp_path: Path)
         "ValueError: --lr must be positive, got -1.0" in proc.stderr, proc.stderr[-3000:]
     assert "PlanInfeasible" not in proc.stderr and "replaced" not in proc.stderr
     assert "raise ValueError(f'--lr must be positive" in proc.stderr  # its own traceback
+
+
+@pytest.mark.timeout(600)
+def test_the_nanogpt_loop_survives_kill_worker_with_torchruns_parameters(tmp_path: Path) -> None:
+    """nanoGPT's loop shape (examples/train_nanogpt.py: RNG-drawn batches, one prefetched
+    across iterations and kept in ``session.extras``, gradient accumulation by
+    ``require_backward_grad_sync``, a hand-set LR, a master-only evaluation): the shipped
+    ``kill_worker`` drill passes, and every rank of both of its runs ends with the
+    parameters torchrun ends with."""
+    from tests.integration.test_drills import drill, report_of
+
+    script = ROOT / "examples" / "train_nanogpt.py"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(port), str(script)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    expected = set(HASH.findall(torchrun.stdout))
+    assert len(expected) == 1, torchrun.stdout[-2000:]     # DDP: both ranks alike
+    result = drill("run", "configs/drills/kill_worker.yaml", "--verify", "--config",
+                   "configs/nanogpt.yaml", run_root=tmp_path / "runs", timeout_s=400)
+    assert result.returncode == 0, result.stderr[-5000:]
+    report = report_of(result)
+    assert report["passed"], report["checks"]
+    runs = [p for p in (tmp_path / "runs").iterdir() if (p / "logs").is_dir()]
+    assert len(runs) == 2                                   # the fault-free run and the drilled
+    for run in runs:
+        finals = [h for log in (run / "logs").glob("rank_*.log")
+                  for h in HASH.findall(log.read_text())]
+        assert len(finals) == 2 and set(finals) == expected, (run.name, finals)
