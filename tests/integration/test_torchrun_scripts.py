@@ -112,13 +112,17 @@ def test_the_nanogpt_loop_survives_kill_worker_with_torchruns_parameters(tmp_pat
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    torchrun = subprocess.run(
+    torchrun = subprocess.run(      # each rank's stdout in a file of its own (--redirects)
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(port), str(script)],
+         "--master-port", str(port), "--log-dir", str(tmp_path / "torchrun"),
+         "--redirects", "3", str(script)],
         cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
-    expected = set(HASH.findall(torchrun.stdout))
-    assert len(expected) == 1, torchrun.stdout[-2000:]     # DDP: both ranks alike
+    outputs = sorted((tmp_path / "torchrun").rglob("stdout.log"))
+    found = [h for out in outputs for h in HASH.findall(out.read_text())]
+    assert len(outputs) == 2 and len(found) == 2, found
+    expected = set(found)
+    assert len(expected) == 1, found                       # DDP: both ranks alike
     result = drill("run", "configs/drills/kill_worker.yaml", "--verify", "--config",
                    "configs/nanogpt.yaml", run_root=tmp_path / "runs", timeout_s=400)
     assert result.returncode == 0, result.stderr[-5000:]
