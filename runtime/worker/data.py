@@ -64,14 +64,13 @@ class LoaderPosition:
     live iterator or the next ``iter(loader)`` applies."""
 
     def __init__(self, loader: DataLoader, on_next: Callable[[], None],
-                 epochs_driven: Callable[[], bool],
-                 epoch: Callable[[], int | None] = lambda: None) -> None:
+                 epoch: Callable[[], int | None]) -> None:
         self.loader = loader
         self._base: Any = type(loader)     # the loader's own class (before the swap)
         self.stateful = callable(getattr(loader, "state_dict", None))
         self.on_next = on_next          # the Session's check for a fault outside a step
-        self.epochs_driven = epochs_driven   # the script iterates ``session.epochs``
-        self.epoch = epoch              # the ``session.epochs`` epoch running (None: none)
+        self.epoch = epoch              # the ``session.epochs`` epoch running (None: the
+                                        # script's epoch loop is not ``session.epochs``)
         self.passes = -1                # index of the current pass (iter() calls)
         self.yielded = 0                # batches yielded in the current pass
         self.first = 0                  # index of the current epoch's first pass
@@ -120,7 +119,7 @@ class LoaderPosition:
                 and self._replay_next < int(pending["pass"]):
             self.passes, self._replay_next = self._replay_next, self._replay_next + 1
             self.yielded = 0
-            self.first, self._pass_epoch = int(pending.get("first", self.passes)), self.epoch()
+            self.first, self._pass_epoch = int(pending["first"]), self.epoch()
             return self._build(None, keep_rng=True)
         return self.resume_pass()
 
@@ -148,18 +147,13 @@ class LoaderPosition:
         now = torch.get_rng_state()
         now_generator = generator.get_state() if generator is not None else None
         base_iter = self._base.__iter__
-        if restored is None and keep_rng:
-            try:
-                return base_iter(loader)
-            finally:
-                torch.set_rng_state(now)
-                if generator is not None and now_generator is not None:
-                    generator.set_state(now_generator)
-        if restored is None:
+        if restored is None and not keep_rng:
             self.start_rng = now
             self.start_generator = now_generator
             return base_iter(loader)
         try:
+            if restored is None:
+                return base_iter(loader)
             if self.stateful:
                 self._base.load_state_dict(loader, restored["inner"])
                 return base_iter(loader)
@@ -206,7 +200,7 @@ class _ResumingIterator:
             assert position.pending is not None
             restored_pass = int(position.pending["pass"])
             if restored_pass != self._pass:
-                if not position.epochs_driven():
+                if position.epoch() is None:
                     raise LoaderPositionLost(self._pass, restored_pass)
                 log.info("event=loader_pass_ended pass=%d restored_pass=%d", self._pass,
                          restored_pass)

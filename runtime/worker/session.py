@@ -466,7 +466,7 @@ class Session(Rejoining):
             if name in self._objects or name in self.extras or name.startswith("__"):
                 raise ValueError(f"state {name!r} is already registered or reserved")
             if isinstance(obj, DataLoader):    # its position: phalanx.runtime.worker.data
-                obj = LoaderPosition(obj, self._recover_if_faulted, lambda: self._in_epochs,
+                obj = LoaderPosition(obj, self._recover_if_faulted,
                                      lambda: self._progress.epoch if self._in_epochs else None)
             if object_kind(obj) == "value":
                 self.extras[name] = obj

@@ -45,7 +45,8 @@ def train(kind: str, rollback: tuple[int, int] | None = None, epochs: int = 3,
     (at, to): after step ``at`` the state captured after step ``to`` is restored."""
     torch.manual_seed(0)
     loader = make(kind)
-    position = LoaderPosition(loader, lambda: None, lambda: epochs_driven)
+    position = LoaderPosition(loader, lambda: None,
+                              lambda: epoch if epochs_driven else None)
     captured: dict[int, Any] = {}
     seen: list[tuple[int, int, list, float]] = []
     step = epoch = 0
@@ -89,7 +90,7 @@ def test_a_rollback_into_an_earlier_pass_needs_session_epochs() -> None:
 
 def test_the_loader_stays_a_dataloader_of_its_own_class() -> None:
     loader = make("random-workers")
-    LoaderPosition(loader, lambda: None, lambda: True)
+    LoaderPosition(loader, lambda: None, lambda: 0)
     assert isinstance(loader, DataLoader) and len(loader) == 10
     assert len(loader.dataset) == 40
 
@@ -107,7 +108,7 @@ def train_with_peek(kind: str, replace: tuple[int, int] | None = None,
     while True:
         loader = make(kind)
         box = {"epoch": epoch}
-        position = LoaderPosition(loader, lambda: None, lambda: True, lambda: box["epoch"])
+        position = LoaderPosition(loader, lambda: None, lambda: box["epoch"])
         if step:                                   # the replacement restores first
             state, rng, epoch = captured[step]
             position.load_state_dict(copy.deepcopy(state))
