@@ -71,6 +71,8 @@ def test_markers_wait_for_the_commit_point_and_follow_it_promptly(
         _wait(lambda: tier.committed_steps() == [5], "step 5 committed", timeout_s=5)
         assert time.monotonic() - started < 1.0          # read by the persister itself
         assert node.keeper.committed_step() == -1        # (no keeper heartbeat runs here)
+        # the marker is written first, the event reported after it (another thread)
+        _wait(lambda: bool(events.of("tier_committed")), "tier_committed reported", timeout_s=5)
         assert [(e["step"], e["commit"]) for e in events.of("tier_committed")] == [(5, 5)]
     finally:
         persister.close()
