@@ -184,8 +184,9 @@ def test_unreachable_target_resets_the_client() -> None:
     dead = spare.getsockname()
     spare.close()                                 # nothing listens there now
     with LinkProxy(dead, name="t") as link:
-        with socket.create_connection(link.address, timeout=5) as sock:
-            try:
+        try:       # the reset reaches the client at its read, or (a loaded machine, seen
+            # in CI) while its connect() is still returning: either way it is not left open
+            with socket.create_connection(link.address, timeout=5) as sock:
                 assert sock.recv(16) == b""
-            except ConnectionResetError:
-                pass
+        except ConnectionResetError:
+            pass
