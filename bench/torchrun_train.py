@@ -81,8 +81,8 @@ class Job:
         else:
             raise SystemExit(f"--job {name!r}: expected mlp or transformer")
         # After the optimizer (the same parameter objects). find_unused_parameters: DDP then
-        # keeps its construction-time buckets, as a phalanx job's DDP does (its spares must
-        # join with the survivors' layout); a rebuilt layout sums in another order (4 ranks)
+        # keeps the bucket layout a phalanx job's DDP gets (its spares must join with the
+        # survivors' layout); a rebuilt layout sums in another order (4 ranks)
         self.model = (wrap or _ddp)(self.model)
         self.steps = int(args.get("steps", 60))
         self.sleep_s = float(args.get("sleep_per_step_s", 0.0))

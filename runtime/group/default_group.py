@@ -265,9 +265,9 @@ class _InitialBuckets:
     became ready on rank 0, and broadcasts that layout: a rank that joins survivors later
     would start from the construction-time layout while they use the rebuilt one, and its
     first all-reduce would sum misaligned buckets. Every rank of a phalanx job keeps the
-    construction-time layout (reverse parameter order, DDP's own first guess), the same
-    on every rank in every generation. The reducer's record of ready parameters, which
-    only a rebuild would consume, is cleared instead of growing."""
+    layout ``_capped_buckets`` gave it, the same on every rank in every generation. The
+    reducer's record of ready parameters, which only a rebuild would consume, is cleared
+    instead of growing."""
 
     def __init__(self, reducer: Any) -> None:
         self._reducer = reducer
@@ -280,32 +280,91 @@ class _InitialBuckets:
         return getattr(self._reducer, name)
 
 
+class _CappedLimits:
+    """A DDP bucket configuration that sizes buckets as DDP does for
+    ``find_unused_parameters=True``: a 1 MiB first bucket, then ``bucket_cap_mb`` each."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def compute_bucket_size_limits(self, static_graph: bool,
+                                   find_unused_parameters: bool) -> tuple[list[int], list[int]]:
+        return self._config.compute_bucket_size_limits(static_graph=False,
+                                                       find_unused_parameters=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def _capped_buckets(ddp: Any) -> None:
+    """Give a DDP module the bucket layout it would have been built with under
+    ``find_unused_parameters=True`` (parameters in reverse order, a 1 MiB first bucket,
+    then ``bucket_cap_mb`` each), once, before its first fault-tolerant forward. Without
+    ``find_unused_parameters`` DDP builds one bucket for the whole model and only splits it
+    by rank 0's gradient order at its second iteration, a layout a joining rank cannot
+    know; one bucket all-reduces only after the whole backward pass (measured on the
+    bench's transformer: 9% of the step). This layout depends only on the parameters, so
+    every rank of every generation computes the same one without a collective. The new
+    reducer is built as DDP's own ``__setstate__`` builds one; the user's comm hooks are
+    registered on it again."""
+    config = ddp._bucket_config
+    parameters, expect_sparse = ddp._build_params_for_reducer()
+    ddp._bucket_config = _CappedLimits(config)
+    try:
+        ddp._ddp_init_helper(parameters, expect_sparse,
+                             ddp._build_debug_param_to_name_mapping(parameters),
+                             ddp.static_graph)
+    finally:
+        ddp._bucket_config = config
+    for hook, state in ddp._comm_hooks:
+        dist._register_comm_hook(ddp.reducer, state, hook)
+    builtin = getattr(ddp, "_phalanx_builtin_hook", None)
+    if builtin is not None:
+        dist._register_builtin_comm_hook(ddp.reducer, builtin)
+
+
 def _patch_ddp() -> None:
     """DDP modules on the default group of a fault-tolerant script (a Session attached)
-    keep their construction-time bucket layout (``_InitialBuckets``). Without a Session,
-    and with ``static_graph`` or ``find_unused_parameters``, DDP is left as it is: its
-    rebuilt layout changes the summation order of a ring all-reduce over 3+ ranks, so
-    an unmodified script ends bit for bit as under torchrun."""
+    get a bucket layout every rank can compute alone (``_capped_buckets``) and keep it
+    (``_InitialBuckets``). Without a Session, and with ``static_graph``,
+    ``find_unused_parameters`` (whose layout is already that one) or DDP's Python reducer,
+    DDP is left as it is: its rebuilt layout changes the summation order of a ring
+    all-reduce over 3+ ranks, so an unmodified script ends bit for bit as under torchrun."""
     from torch.nn.parallel import DistributedDataParallel
 
     original = getattr(DistributedDataParallel._pre_forward, "__wrapped__",
                        DistributedDataParallel._pre_forward)
+    register_builtin = getattr(DistributedDataParallel._register_builtin_comm_hook,
+                               "__wrapped__",
+                               DistributedDataParallel._register_builtin_comm_hook)
 
     @functools.wraps(original)
     def _pre_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        reducer = self.reducer
         group = getattr(self, "process_group", None)
         if (not isinstance(group, DefaultGroup) or not group.fault_tolerant
-                or self.static_graph or self.find_unused_parameters):
+                or self.static_graph or self.find_unused_parameters
+                or self._use_python_reducer):
             return original(self, *args, **kwargs)    # DDP as under torchrun
+        if not getattr(self, "_phalanx_capped", False):
+            _capped_buckets(self)
+            self._phalanx_capped = True
+        reducer = self.reducer
         self.reducer = _InitialBuckets(reducer)
         try:
             return original(self, *args, **kwargs)
         finally:
             self.reducer = reducer
 
+    @functools.wraps(register_builtin)
+    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        register_builtin(self, comm_hook_type)
+        self._phalanx_builtin_hook = comm_hook_type      # for _capped_buckets
+
     _pre_forward.__wrapped__ = original
+    _register_builtin_comm_hook.__wrapped__ = register_builtin
     DistributedDataParallel._pre_forward = _pre_forward   # type: ignore[method-assign]
+    DistributedDataParallel._register_builtin_comm_hook = (   # type: ignore[method-assign]
+        _register_builtin_comm_hook)
 
 
 def process_collective(ctx: WorkerContext) -> Collective:

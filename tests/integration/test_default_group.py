@@ -131,3 +131,55 @@ def test_a_joining_rank_answers_set_up_collectives_alone_until_started() -> None
     assert joining["gathered"] == [[7.0, 7.0], [7.0, 7.0]]
     assert joining["weights"] == [1.0, 2.0]
     assert rank0["summed"] == joining["summed"] == 2.0
+
+
+def _bucket_sizes(ddp: torch.nn.Module) -> list[int]:
+    """The elements of each of the DDP reducer's buckets, in launch order."""
+    return [bucket.buffer().numel() for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
+
+
+def _ddp_buckets(rank: Rank) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from phalanx.runtime.group.default_group import _patch_ddp
+
+    collective, group = formed(rank)
+    collective.absorb_faults = True         # as a Session does when it starts
+    _patch_ddp()
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)                # 4 x 1 MiB weights: more than DDP's 1 MiB bucket
+        return torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+
+    ddp = DistributedDataParallel(model(), process_group=group)
+    built = _bucket_sizes(ddp)
+    reference = DistributedDataParallel(model(), process_group=group,
+                                        find_unused_parameters=True)
+    layouts = []
+    for step in range(3):       # DDP would rebuild its buckets in the second iteration
+        x = torch.full((2, 512), float(rank.rank + step))
+        ddp(x).sum().backward()
+        layouts.append(_bucket_sizes(ddp))
+    local = model()
+    for step in range(3):
+        local(torch.full((2, 512), 0.5 + step)).sum().backward()   # both ranks' mean input
+    return {"built": built, "layouts": layouts, "reference": _bucket_sizes(reference),
+            "grad_error": max(float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+                              for p, q in zip(ddp.module.parameters(), local.parameters()))}
+
+
+@pytest.mark.timeout(90)
+def test_ddp_on_a_fault_tolerant_group_gets_a_layout_every_rank_computes_alone() -> None:
+    """DDP builds one bucket for the whole model and rebuilds it by rank 0's gradient order
+    in its second iteration; a rank joining later could not know that layout. On a
+    fault-tolerant default group each DDP module gets, before its first forward, the
+    layout ``find_unused_parameters=True`` would build (reverse parameter order, a 1 MiB
+    first bucket): several buckets, so all-reduces overlap the backward pass, the same on
+    every rank, and kept from then on."""
+    results = on_ranks(_ddp_buckets)
+    for seen in results:
+        assert seen["built"] == [sum(seen["reference"])]       # DDP's single bucket
+        assert len(seen["reference"]) > 1
+        assert seen["layouts"] == [seen["reference"]] * 3
+        assert seen["grad_error"] < 1e-5      # gradients averaged over both ranks
+    assert results[0]["layouts"] == results[1]["layouts"]
