@@ -305,8 +305,8 @@ def _capped_buckets(ddp: Any) -> None:
     know; one bucket all-reduces only after the whole backward pass (measured on the
     bench's transformer: 9% of the step). This layout depends only on the parameters, so
     every rank of every generation computes the same one without a collective. The new
-    reducer is built as DDP's own ``__setstate__`` builds one; the user's comm hooks are
-    registered on it again."""
+    reducer is built as DDP's own ``__setstate__`` builds one, and what DDP's constructor
+    set on the old one (comm hooks, mixed precision, optimizers in backward) is set again."""
     config = ddp._bucket_config
     parameters, expect_sparse = ddp._build_params_for_reducer()
     ddp._bucket_config = _CappedLimits(config)
@@ -316,8 +316,13 @@ def _capped_buckets(ddp: Any) -> None:
                              ddp.static_graph)
     finally:
         ddp._bucket_config = config
+    # what DDP's __init__ sets on its reducer after building it
+    if ddp.mixed_precision is not None:
+        ddp.reducer._set_mixed_precision_param_dtype(ddp.mixed_precision.param_dtype)
     for hook, state in ddp._comm_hooks:
         dist._register_comm_hook(ddp.reducer, state, hook)
+    if any(hasattr(p, "_in_backward_optimizers") for p in ddp._module_parameters):
+        ddp.reducer._set_optimizer_in_backward()
     builtin = getattr(ddp, "_phalanx_builtin_hook", None)
     if builtin is not None:
         dist._register_builtin_comm_hook(ddp.reducer, builtin)

@@ -139,6 +139,7 @@ def _bucket_sizes(ddp: torch.nn.Module) -> list[int]:
 
 
 def _ddp_buckets(rank: Rank) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
     from phalanx.runtime.group.default_group import _patch_ddp
@@ -160,10 +161,20 @@ def _ddp_buckets(rank: Rank) -> dict:
         x = torch.full((2, 512), float(rank.rank + step))
         ddp(x).sum().backward()
         layouts.append(_bucket_sizes(ddp))
+    hooked = DistributedDataParallel(model(), process_group=group)
+    calls = {"group": group, "buckets": 0}
+
+    def counting_hook(state, bucket):      # type: ignore[no-untyped-def]  # DDP checks real annotations
+        state["buckets"] += 1
+        return default_hooks.allreduce_hook(state["group"], bucket)
+
+    hooked.register_comm_hook(calls, counting_hook)
+    hooked(torch.ones(2, 512)).sum().backward()
     local = model()
     for step in range(3):
         local(torch.full((2, 512), 0.5 + step)).sum().backward()   # both ranks' mean input
     return {"built": built, "layouts": layouts, "reference": _bucket_sizes(reference),
+            "hooked": [_bucket_sizes(hooked), calls["buckets"]],
             "grad_error": max(float((p.grad - q.grad).abs().max() / q.grad.abs().max())
                               for p, q in zip(ddp.module.parameters(), local.parameters()))}
 
@@ -175,11 +186,12 @@ def test_ddp_on_a_fault_tolerant_group_gets_a_layout_every_rank_computes_alone()
     fault-tolerant default group each DDP module gets, before its first forward, the
     layout ``find_unused_parameters=True`` would build (reverse parameter order, a 1 MiB
     first bucket): several buckets, so all-reduces overlap the backward pass, the same on
-    every rank, and kept from then on."""
+    every rank, and kept from then on. A comm hook the user registered runs on it."""
     results = on_ranks(_ddp_buckets)
     for seen in results:
         assert seen["built"] == [sum(seen["reference"])]       # DDP's single bucket
         assert len(seen["reference"]) > 1
         assert seen["layouts"] == [seen["reference"]] * 3
         assert seen["grad_error"] < 1e-5      # gradients averaged over both ranks
+        assert seen["hooked"] == [seen["reference"], len(seen["reference"])]   # kept its hook
     assert results[0]["layouts"] == results[1]["layouts"]
