@@ -81,6 +81,20 @@ def gloo_reference(config: str, *overrides: str, run_root: Path,
     return Reference(hashes)
 
 
+def latest_run(run_root: Path) -> Path:
+    """The run directory of the last launch under ``run_root``: a launch that Ray failed
+    before its first step (``StartupLost``) is retried in a new run directory, so the first
+    directory found need not be the one that trained."""
+    return Path((run_root / "latest").read_text().strip())
+
+
+def startup_lost(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a launch attempt the launcher retried (``StartupLost``)."""
+    summary = run_dir / "summary.json"
+    error = json.loads(summary.read_text()).get("error") if summary.is_file() else None
+    return bool(error) and error.get("type") == "StartupLost"
+
+
 def wait_training(run_root: Path, *, past_step: int, name: str | None = None,
                   proc: subprocess.Popen | None = None, timeout_s: float = 120) -> Path:
     """The run directory under ``run_root`` (of job ``name``, not an earlier run's) once

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.launching import launch
+from tests.integration.launching import latest_run, launch
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -18,7 +18,7 @@ JOB = ("job.entrypoint=tests/integration/jobs/train_batchnorm.py:main", "job.wor
 
 
 def _events(run_root: Path) -> list[dict]:
-    run = next(p for p in run_root.iterdir() if p.is_dir() and (p / "events.jsonl").is_file())
+    run = latest_run(run_root)
     return [json.loads(line) for line in (run / "events.jsonl").open()]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.launching import launch
+from tests.integration.launching import latest_run, launch
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -19,7 +19,7 @@ SMALL = ("job.world_size=2", "spares.count=0", "etcd.heartbeat_s=0.1",
 
 
 def _faults(run_root: Path) -> list[dict]:
-    run = next(p for p in run_root.iterdir() if p.is_dir() and (p / "events.jsonl").is_file())
+    run = latest_run(run_root)
     events = [json.loads(line) for line in (run / "events.jsonl").open()]
     return [e for e in events if e["event"] in ("fault", "recovered")]
 
