@@ -55,6 +55,7 @@ class Rejoining:
     _restored: dict[str, Any] | None
     _awaiting_first_step: bool
     _holds_state: bool
+    _unmeasured: bool
     _stepped: set[int]
     _agreement: tuple[Any, torch.Tensor] | None
 
@@ -194,6 +195,7 @@ class Rejoining:
         self._holds_state = True
         self._stepped.clear()
         self._agreement = None          # started in the old generation's group: dropped
+        self._unmeasured = False
         for snapshotter in (self._snapshotter, self._rank_snapshotter):
             if snapshotter is not None:
                 snapshotter.set_generation(generation)

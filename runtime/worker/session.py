@@ -60,6 +60,9 @@ FINISHED_PREFIX = "finished/"
 # ``every_steps: auto``: the ranks also agree on the interval every this many steps (one
 # all_reduce of world_size integers, started then and collected this many steps later)
 AGREE_EVERY_STEPS = 16
+# ``every_steps: auto``: the interval while no rank has measured a snapshot's cost (the
+# ranks then agree at every step, so the first measurement ends it a step or two later)
+UNMEASURED_INTERVAL = AGREE_EVERY_STEPS
 _final: dict[str, str] = {}      # the last closed session's state digest (the worker reports it)
 
 
@@ -173,6 +176,7 @@ class Session(Rejoining):
         self._awaiting_first_step = False
         self._started = False
         self._agreement: tuple[Any, torch.Tensor] | None = None   # see _agree_interval
+        self._unmeasured = False        # the last agreement found no rank measured
         self._verifier: ReplicaVerifier | None = None    # detection.compare_replicas
         self._replays = ReplayMarker()     # steps at or below the highest done: replays
         self._in_epochs = False            # the script iterates ``epochs()``
@@ -545,6 +549,13 @@ class Session(Rejoining):
         self._stepped.clear()
         if snapshotter is not None and not snapshotter.has_captured:
             self._capture(snapshotter)  # the initial state
+            if snapshotter.shares_interval and self.generation == 0 \
+                    and self._progress.step_index == 0:
+                # the job's start, the same step on every rank: the next step's snapshot
+                # measures, then UNMEASURED_INTERVAL holds until an agreement carries it
+                snapshotter.measure_next()
+                snapshotter.agree_interval(UNMEASURED_INTERVAL)
+                self._unmeasured = True
             self._capture_per_rank()
             if self._verifier is not None:
                 self._verifier.note_capture(self._progress.step_index)
@@ -599,7 +610,13 @@ class Session(Rejoining):
                     return
                 if not self._compare_replicas(collect=False):
                     return
-            if snapshotter.shares_interval and (due or step % AGREE_EVERY_STEPS == 0):
+            if snapshotter.shares_interval and (due or step % AGREE_EVERY_STEPS == 0
+                                                or self._unmeasured):
+                # the comparison started at the last snapshot step, read at the same steps
+                # as the interval (not only at the next snapshot, maybe hundreds of steps
+                # on): replicas that never agreed are named a step after the measuring one
+                if not due and not self._compare_replicas(collect=True):
+                    return
                 self._agree_interval(snapshotter)
 
     def _hold_at_gate(self, step: int) -> None:
@@ -653,13 +670,23 @@ class Session(Rejoining):
         collected at the next (long done by then, so no rank waits for a slower one); its
         interval applies from there on every rank. Agreeing between snapshots too lets
         what the first snapshots measured (their pushes, their tier writes) stretch the
-        interval within a few dozen steps, not one long interval later."""
+        interval within a few dozen steps, not one long interval later.
+
+        A rank that has measured no snapshot yet asks for 0: the ranks that have decide
+        (a replacement takes the survivors' interval). When none has, the interval is
+        ``UNMEASURED_INTERVAL`` and the ranks agree at every step until one has (the
+        same steps on every rank: the condition is the agreement's own result). At the
+        job's start the initial snapshot allocates and the next step's measures
+        (``measure_next``): the interval is then known a few steps later, with no third
+        full snapshot (the interval of 1 and the agreement's lag of one collection took
+        one back to back before, 268 MB on the bench's transformer)."""
         pending, self._agreement = self._agreement, None
         try:
             if pending is not None:
                 work, agreed = pending
                 self._wait_reduce(work, agreed)
-                snapshotter.agree_interval(int(agreed.max()))
+                self._unmeasured = not int(agreed.max())
+                snapshotter.agree_interval(int(agreed.max()) or UNMEASURED_INTERVAL)
             wanted = torch.zeros(self.world_size, dtype=torch.int64)
             wanted[self.rank] = snapshotter.wanted_interval
             self._agreement = (self._start_reduce(wanted), wanted)

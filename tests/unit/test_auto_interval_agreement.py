@@ -40,7 +40,7 @@ class PairReducer:
 
 def run_rank(rank: int, keeper: Keeper, budget: float, reducer: PairReducer,
              captured: dict[int, list[int]], errors: list[BaseException],
-             agreed: dict[int, int]) -> None:
+             agreed: dict[int, int], agreements: dict[int, list[int]]) -> None:
     host, port = keeper.address
     ctx = WorkerContext(job=keeper.job, rank=rank, world_size=2, secret_hex=SECRET.hex(),
                         torch_threads=torch.get_num_threads(), keeper_host=host,
@@ -60,6 +60,12 @@ def run_rank(rank: int, keeper: Keeper, budget: float, reducer: PairReducer,
             captured[rank].append(step)
             return original(step, objects)
         snapshotter.capture = recording                          # type: ignore[method-assign]
+        agree = session._agree_interval
+
+        def agreeing(snap: Any) -> None:
+            agreements[rank].append(session.step_index)
+            agree(snap)
+        session._agree_interval = agreeing                      # type: ignore[method-assign]
         session._started = True
         while session.step_index < STEPS:
             with session.step():
@@ -80,11 +86,13 @@ def test_ranks_with_different_budgets_snapshot_the_same_steps() -> None:
     captured: dict[int, list[int]] = {0: [], 1: []}
     errors: list[BaseException] = []
     agreed: dict[int, int] = {}
+    agreements: dict[int, list[int]] = {0: [], 1: []}
     with Keeper("node0", f"agree{secrets.token_hex(3)}", SECRET, slots=3) as keeper:
         # rank 0 may spend 90% of its step time on snapshots, rank 1 only 5%: their own
         # intervals differ by orders of magnitude
         threads = [threading.Thread(target=run_rank, args=(r, keeper, budget, reducer,
-                                                             captured, errors, agreed))
+                                                             captured, errors, agreed,
+                                                             agreements))
                    for r, budget in ((0, 0.9), (1, 0.05))]
         for t in threads:
             t.start()
@@ -92,10 +100,19 @@ def test_ranks_with_different_budgets_snapshot_the_same_steps() -> None:
             t.join(50)
     assert not errors, errors
     assert captured[0] == captured[1], captured
-    assert captured[0][0] == 0 and len(captured[0]) >= 3
+    # the first snapshot allocates, the second measures; until an agreement carries what
+    # it measured, the interval is UNMEASURED_INTERVAL, not 1 (no third one back to back)
+    assert captured[0][:2] == [0, 1], captured
+    assert all(step > 2 for step in captured[0][2:]), captured
     # rank 1's larger interval won: rank 0, which alone would snapshot every step, took it
     # (on a loaded machine it can exceed the steps left, so gaps alone cannot show it)
     assert agreed[0] == agreed[1] > 1, (agreed, captured)
-    # an agreement at every snapshot step after the first and every AGREE_EVERY_STEPS steps
-    agreements = set(captured[0][1:]) | set(range(AGREE_EVERY_STEPS, STEPS + 1, AGREE_EVERY_STEPS))
-    assert reducer.calls[0] == reducer.calls[1] == len(agreements)
+    # both ranks agreed at the same steps: every snapshot step after the first, every
+    # AGREE_EVERY_STEPS steps, and every step from the measuring snapshot until an
+    # agreement carried a measurement (a few steps: the ranks agree each step meanwhile)
+    assert agreements[0] == agreements[1], agreements
+    scheduled = set(captured[0][1:]) | set(range(AGREE_EVERY_STEPS, STEPS + 1, AGREE_EVERY_STEPS))
+    extra = sorted(set(agreements[0]) - scheduled)
+    assert extra == list(range(2, 2 + len(extra))) and len(extra) < 10, agreements
+    assert scheduled <= set(agreements[0]), agreements
+    assert reducer.calls[0] == reducer.calls[1] == len(agreements[0])

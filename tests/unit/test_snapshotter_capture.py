@@ -131,9 +131,11 @@ AUTO_STATE = {"t": torch.ones(4096)}
 
 
 @contextlib.contextmanager
-def auto_snapshotter() -> Iterator[tuple[Keeper, KeeperClient, Snapshotter, int]]:
+def auto_snapshotter(captures: int = 4) -> Iterator[tuple[Keeper, KeeperClient, Snapshotter,
+                                                          int]]:
     """A keeper, a client and an ``auto`` snapshotter of a 16 KiB state at 50 ms steps,
-    after 4 captures: (keeper, client, snapshotter, the interval those alone asked for)."""
+    after ``captures`` captures (steps 1, 2, ...): (keeper, client, snapshotter, the
+    interval those alone asked for)."""
     job = f"auto{secrets.token_hex(3)}"
     with Keeper("node0", job, SECRET) as keeper:
         client = KeeperClient(*keeper.address, SECRET, job)
@@ -141,13 +143,36 @@ def auto_snapshotter() -> Iterator[tuple[Keeper, KeeperClient, Snapshotter, int]
                            policy=SnapshotPolicy(every_steps="auto", overhead_budget=0.03))
         try:
             snap.observe_step(0.05)
-            for step in range(1, 5):
+            for step in range(1, captures + 1):
                 snap.capture(step, AUTO_STATE)
                 snap.flush()
             yield keeper, client, snap, snap.wanted_interval
         finally:
             snap.close()
             client.close()
+
+
+def test_auto_asks_for_no_interval_until_a_capture_is_measured() -> None:
+    """Before its snapshots' cost is known an ``auto`` snapshotter snapshots every step on
+    its own, but asks the other ranks for no interval (0: ``Session._agree_interval``
+    leaves the choice to ranks that measured); the first capture, which allocates the
+    slots, measures nothing. ``measure_next`` makes the next step due once, and a skipped
+    step (its keeper gone, no room) counts as that capture, as it does on the other ranks:
+    else this rank alone would go on finding every step due."""
+    with auto_snapshotter(captures=0) as (_, _, snap, _):
+        asked = [(snap.interval, snap.wanted_interval)]
+        for step in (1, 2):
+            snap.capture(step, AUTO_STATE)
+            snap.flush()
+            asked.append((snap.interval, snap.wanted_interval))
+        snap.agree_interval(100)
+        snap.measure_next()
+        forced = snap.due(3)
+        snap.skip(3)      # no room or no keeper: counted as taken, as on the other ranks
+        after_skip = snap.due(4)
+    assert asked[:2] == [(1, 0), (1, 0)]
+    assert asked[2][1] == asked[2][0] >= 1
+    assert forced and not after_skip
 
 
 def test_auto_counts_the_keepers_replica_pushes_as_snapshot_cost() -> None:
