@@ -684,9 +684,9 @@ class Session(Rejoining):
         try:
             if pending is not None:
                 work, agreed = pending
-                self._wait_reduce(work, agreed)
-                self._unmeasured = not int(agreed.max())
-                snapshotter.agree_interval(int(agreed.max()) or UNMEASURED_INTERVAL)
+                largest = int(self._wait_reduce(work, agreed).max())
+                self._unmeasured = largest == 0
+                snapshotter.agree_interval(largest or UNMEASURED_INTERVAL)
             wanted = torch.zeros(self.world_size, dtype=torch.int64)
             wanted[self.rank] = snapshotter.wanted_interval
             self._agreement = (self._start_reduce(wanted), wanted)
