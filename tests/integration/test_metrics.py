@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from phalanx.launcher.drills.report import RunOutcome, build_report
 from phalanx.launcher.drills.scenario import load_scenario
 from phalanx.launcher.events import read_events
-from tests.integration.launching import ROOT, phalanx_command
+from tests.integration.launching import ROOT, latest_run, phalanx_command
 from tests.plugins.leaks import Footprint, assert_nothing_left
 
 pytestmark = pytest.mark.integration
@@ -89,7 +89,7 @@ def test_scrape_of_a_drilled_demo_matches_its_events(tmp_path: Path,
     assert chosen is not None, f"no scrape saw the recovery {AFTER_RECOVERY_S} s before the end"
     assert scrape(port) is None, "the endpoint outlived the job"
 
-    run_dir = Path((tmp_path / "latest").read_text().strip())
+    run_dir = latest_run(tmp_path)
     events = read_events(run_dir / "events.jsonl")
     recovered = [e for e in events if e["event"] == "recovered"]
     assert len(recovered) == 1, recovered

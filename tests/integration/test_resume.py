@@ -17,7 +17,7 @@ import pytest
 from phalanx.configs.errors import ResumeRefused
 from phalanx.configs.loader import load_config
 from phalanx.launcher.resume import find_resume_point
-from tests.integration.launching import LaunchResult, ROOT, gloo_reference, phalanx_command
+from tests.integration.launching import ROOT, LaunchResult, gloo_reference, latest_run, phalanx_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -85,12 +85,12 @@ def test_resume_latest_after_a_total_loss_is_bit_identical(tmp_path: Path) -> No
         _wait_commit(tier, first)
     finally:
         _kill_session(first)                  # launcher, Ray, keepers, workers: a total loss
-    run1 = Path((runs / "latest").read_text().strip())
+    run1 = latest_run(runs)
     proc = subprocess.run([*phalanx_command(CONFIG, *overrides, run_root=runs), "--resume"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    run2 = Path((runs / "latest").read_text().strip())
+    run2 = latest_run(runs)
     assert run2 != run1
     [resumed] = _events(run2, "resumed_from")
     step = resumed["step"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.launching import LaunchResult, ROOT, launch, phalanx_command
+from tests.integration.launching import ROOT, LaunchResult, latest_run, launch, phalanx_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -50,7 +50,7 @@ def test_a_resumed_run_restarted_before_its_first_commit_restores_the_resume_poi
     committed = sorted(int(p.parent.name.split("_")[1]) for p in tier.glob("demo/step_*/COMMIT"))
     assert committed and committed[0] <= STEPS - 5, committed
     resume_at = committed[0]
-    run1 = Path((runs / "latest").read_text().strip())
+    run1 = latest_run(runs)
     scenario = tmp_path / "kill_after_resume.yaml"
     scenario.write_text(SCENARIO.format(step=resume_at + 2))
     # no snapshots and no disk checkpoint before the end: nothing of run 2 is committed
@@ -62,7 +62,7 @@ def test_a_resumed_run_restarted_before_its_first_commit_restores_the_resume_poi
                           cwd=ROOT, capture_output=True, text=True, timeout=150,
                           env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    run2 = Path((runs / "latest").read_text().strip())
+    run2 = latest_run(runs)
     assert run2 != run1
     [resumed] = _events(run2, "resumed_from")
     assert resumed["step"] == resume_at and resumed["run_id"] == run1.name

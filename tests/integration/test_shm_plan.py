@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.integration.launching import ROOT, launch
+from tests.integration.launching import ROOT, latest_run, launch
 from tests.plugins.small_tmpfs import small_tmpfs
 
 pytestmark = pytest.mark.integration
@@ -34,13 +34,8 @@ def tmpfs(tmp_path: Path) -> Iterator[str]:
         yield folder
 
 
-def _run_dir(run_root: Path) -> Path:
-    run_dir = Path((run_root / "latest").read_text().strip())
-    return run_dir if run_dir.is_absolute() else run_root / run_dir
-
-
 def _events(run_root: Path) -> list[dict]:
-    lines = (_run_dir(run_root) / "events.jsonl").read_text().splitlines()
+    lines = (latest_run(run_root) / "events.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
 
@@ -76,6 +71,6 @@ def test_allow_unprotected_trains_on_with_an_alert_and_a_status_line(
     assert "first snapshot measured" in alerts[0]["reason"] and alerts[0]["plan_bytes"] > 8 << 20
     assert "snapshot_unprotected" in result.stdout + result.stderr    # the console's warning
     status = subprocess.run([sys.executable, "-m", "phalanx.launcher.cli", "status",
-                             str(_run_dir(runs))], cwd=ROOT, capture_output=True, text=True,
+                             str(latest_run(runs))], cwd=ROOT, capture_output=True, text=True,
                             timeout=60, env={**os.environ, "COLUMNS": "300"})
     assert "snapshot protection: DEGRADED" in status.stdout + status.stderr, status.stderr

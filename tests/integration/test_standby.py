@@ -20,7 +20,7 @@ import pytest
 from phalanx.launcher.services.leadership import COORDINATOR_KEY
 from phalanx.runtime.membership.etcd import EtcdMembership, job_prefix
 from tests.integration.launching import (ROOT, LaunchResult, Reference, gloo_reference,
-                                         phalanx_command)
+                                         latest_run, phalanx_command)
 from tests.integration.test_recovery import worker_pids
 
 pytestmark = pytest.mark.integration
@@ -106,7 +106,7 @@ def test_standby_takes_over_a_killed_leader_and_recovers_the_next_fault(
         leader.proc.send_signal(signal.SIGKILL)
         leader.proc.wait(timeout=30)
         wait_until(lambda: standby.saw("took over job"), 60, "the takeover")
-        run_dir = Path((tmp_path / "latest").read_text().strip())
+        run_dir = latest_run(tmp_path)
         wait_until(lambda: slowest_step() >= before + 3, 60, "training past the takeover")
         # the standby must also recover: kill rank 1's worker, on the standby's TCPStore
         victim = worker_pids(run_dir)["rank_1_w1-g0"]

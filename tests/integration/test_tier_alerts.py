@@ -20,7 +20,7 @@ from phalanx.launcher.events import EventLog
 from phalanx.launcher.rundir import RunDir
 from phalanx.launcher.status import show_status
 from phalanx.runtime.membership.etcd import EtcdMembership, job_prefix
-from tests.integration.launching import HASH_RE, ROOT, phalanx_command
+from tests.integration.launching import HASH_RE, ROOT, latest_run, phalanx_command
 from tests.integration.test_launch import reference_hash
 from tests.plugins.leaks import Footprint, assert_nothing_left
 from tests.plugins.s3 import make_client
@@ -65,7 +65,7 @@ def test_bucket_lost_mid_run_is_reported_and_the_job_finishes(
     assert proc.returncode == 0, stderr
     # the run's directory as it ended: a start-up in which Ray lost a node (a loaded CI
     # machine) is tried again in a fresh one, after the test first read ``latest``
-    run_dir = Path((tmp_path / "latest").read_text().strip())
+    run_dir = latest_run(tmp_path)
     hashes = {int(rank): digest for rank, digest in HASH_RE.findall(stdout)}
     torch.set_num_threads(1)
     assert hashes == dict.fromkeys((0, 1), reference_hash(world=2, steps=STEPS))

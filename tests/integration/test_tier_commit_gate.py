@@ -18,7 +18,7 @@ from phalanx.runtime.keeper.reporter import read_commit_point
 from phalanx.runtime.membership.etcd import EtcdMembership
 from phalanx.runtime.tiers.disk import DiskTier
 from phalanx.runtime.tiers.persister import TierPersister
-from tests.integration.launching import launch
+from tests.integration.launching import latest_run, launch
 from tests.integration.test_persister import Events, Node, _wait
 
 pytestmark = pytest.mark.integration
@@ -107,7 +107,7 @@ def test_a_launched_job_commits_to_its_tier_only_what_the_job_committed(tmp_path
                     "job.args.steps=60", "tiers.disk.every_steps=10", "tiers.disk.keep=10",
                     f"tiers.disk.path={tier}", run_root=tmp_path / "runs")
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = Path((tmp_path / "runs" / "latest").read_text().strip())
+    run_dir = latest_run(tmp_path / "runs")
     events = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
     committed = [e for e in events if e["event"] == "tier_committed"]
     assert all(e["step"] <= e["commit"] for e in committed), committed
