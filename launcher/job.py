@@ -517,7 +517,8 @@ class JobRunner:
         coordinator.committed = lambda: commits.committed
         stall = StallDetector(cfg.detection.stall_timeout_s)
         outage = EtcdOutage(self.services.membership, coordinator.events.emit,
-                            outage_grace_s(cfg.etcd.lease_ttl_s), on_untrusted=stall.reset)
+                            outage_grace_s(cfg.etcd.lease_ttl_s), on_untrusted=stall.reset,
+                            min_interval_s=cfg.etcd.heartbeat_s / 2)
         restarts = KeeperRestarts(cfg, self.keepers, coordinator, slots, monitor.watch,
                                   self.secret_hex, self.services.etcd_endpoints,
                                   lambda actor: self._stack.callback(self._close_keeper, actor))
@@ -527,7 +528,10 @@ class JobRunner:
         try:
             while len(results) < cfg.job.world_size:
                 self._check_leadership()
-                members = outage.members()
+                # every poll while a recovery or a drill fault is pending; otherwise
+                # twice a heartbeat, the rate the keepers rewrite the records
+                members = outage.members(fresh=coordinator.pending is not None or (
+                    injector is not None and injector.waiting))
                 polled = monitor.poll(slots, set(results), members,
                                       timeout_s=cfg.detection.poll_interval_s,
                                       finished=self._finished_workers,
@@ -553,7 +557,7 @@ class JobRunner:
                 coordinator.check_resumed(members)
                 coordinator.check_rejoined(members, set(results))
                 self._publish_state(run, slots, coordinator)
-                commits.poll()
+                commits.poll(table=outage.last if outage.trusted() else None)
                 if injector is not None:
                     injector.poll(members)
                 observer.poll(members, {slot.worker_id for slot in slots.values()})

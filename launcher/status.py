@@ -23,9 +23,8 @@ from phalanx.launcher.goodput import goodput_from_events
 from phalanx.launcher.run_summary import read_run_events, read_summary, reconstruct
 from phalanx.launcher.rundir import RunDir
 from phalanx.launcher.status_view import render_status
-from phalanx.runtime.base import MemberRecord
-from phalanx.runtime.commit import COMMIT_KEY, KeeperReport, committed_from
-from phalanx.runtime.keeper.reporter import KEEPERS
+from phalanx.runtime.base import MemberRecord, read_table
+from phalanx.runtime.commit import COMMIT_KEY, KeeperReport, committed_from, reports_of
 from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
 
 STATES = ("running", "finished", "failed", "unreachable")
@@ -184,12 +183,11 @@ def _read_live(info: Mapping[str, Any], timeout_s: float
                                 timeout_s=timeout_s,
                                 **client_options(**info.get("etcd_client", {}))).connect()
     try:
-        members = membership.members()
+        table = read_table(membership)
+        members = table.members
         generation = membership.get("generation")
         commit = membership.get(COMMIT_KEY)
-        # (not commit_tracker.read_reports: that module imports torch, seconds for a status)
-        reports = {kv.key.removeprefix(KEEPERS): KeeperReport.from_json(kv.value)
-                   for kv in membership.list_prefix(KEEPERS)}
+        reports = reports_of(table.keepers)
         events = [json.loads(kv.value) for kv in membership.list_prefix(EVENTS_PREFIX)]
     finally:
         membership.close()

@@ -183,6 +183,22 @@ def member_table(own: Iterable[KeyValue], keepers: Iterable[KeyValue]) -> dict[s
     return table
 
 
+@dataclass(frozen=True)
+class TableRead:
+    """One read of the member table (``members``) with the keepers' reports it came from
+    (``keepers``: the ``keepers/<node>`` keys), so a reader that needs both reads etcd once."""
+    members: dict[str, MemberRecord]
+    keepers: list[KeyValue]
+
+
+def read_table(membership: Membership) -> TableRead:
+    """``membership.members()`` and the keepers' reports in the same two range reads.
+    Raises MembershipUnavailable."""
+    own = membership.list_prefix(MEMBERS)
+    keepers = membership.list_prefix(KEEPERS)
+    return TableRead(member_table(own, keepers), keepers)
+
+
 def _written_at(record: MemberRecord) -> float:
     written = record.extra.get("time")
     return float(written) if isinstance(written, (int, float)) else 0.0

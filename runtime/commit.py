@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from phalanx.runtime.base import NODE_MEMBERS
+from phalanx.runtime.base import KEEPERS, NODE_MEMBERS, KeyValue
 
 
 COMMIT_KEY = "commit"
@@ -63,6 +63,11 @@ class KeeperReport:
                    bytes_held=int(raw.get("bytes_held", 0)),
                    generation=int(raw.get("generation", 0)),
                    members=dict(raw.get(NODE_MEMBERS) or {}))
+
+
+def reports_of(keepers: Iterable[KeyValue]) -> dict[str, KeeperReport]:
+    """The keepers' reports, by node, from their ``keepers/<node>`` keys."""
+    return {kv.key.removeprefix(KEEPERS): KeeperReport.from_json(kv.value) for kv in keepers}
 
 
 def gate(step: int, verified: int | None) -> int:

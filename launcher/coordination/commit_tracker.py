@@ -14,17 +14,12 @@ import time
 from typing import Callable, Iterable
 
 from phalanx.configs.errors import MembershipUnavailable
-from phalanx.runtime.base import Membership
-from phalanx.runtime.commit import COMMIT_KEY, KeeperReport, commit_value, committed_step, gate
-from phalanx.runtime.keeper.reporter import KEEPERS
+from phalanx.runtime.base import Membership, TableRead, read_table
+from phalanx.runtime.commit import (COMMIT_KEY, KeeperReport, commit_value, committed_step, gate,
+                                    reports_of)
 from phalanx.runtime.consistency.digest import verified_ceiling
 
 log = logging.getLogger(__name__)
-
-
-def read_reports(membership: Membership) -> dict[str, KeeperReport]:
-    return {kv.key.removeprefix(KEEPERS): KeeperReport.from_json(kv.value)
-            for kv in membership.list_prefix(KEEPERS)}
 
 
 def reset_commit_point(membership: Membership, now: float | None = None) -> None:
@@ -35,8 +30,9 @@ def reset_commit_point(membership: Membership, now: float | None = None) -> None
 
 
 class CommitTracker:
-    """Owned by the launcher's main thread; ``poll`` is cheap (two etcd range reads: the
-    keepers' reports and, for the replica gate, the members' records)."""
+    """Owned by the launcher's main thread; ``poll`` is cheap: it reads the keepers' reports
+    and, for the replica gate, the members' records (two etcd range reads), or takes the
+    watch loop's own read of both (``table``) when that is at most ``read_every_s`` old."""
 
     def __init__(self, membership: Membership, world_size: int, factor: int,
                  every_steps: int, every_s: float = 5.0, read_every_s: float = 0.5,
@@ -55,17 +51,20 @@ class CommitTracker:
         self.committed = -1
         self.reports: dict[str, KeeperReport] = {}   # the keepers' reports last read
 
-    def poll(self, now: float | None = None) -> int:
+    def poll(self, now: float | None = None, table: TableRead | None = None) -> int:
+        """``table``: a read of the member table taken since the last poll that read one
+        (None: this poll reads etcd itself when due)."""
         now = time.monotonic() if now is None else now
         if now - self._last_read < self._read_every_s:
             return self.committed
         self._last_read = now
         try:
-            self.reports = self._own(read_reports(self._membership))
+            read = table if table is not None else read_table(self._membership)
+            self.reports = self._own(reports_of(read.keepers))
             step = committed_step(self.reports, self._ranks, self._factor)
             # never past a step the ranks' replica digests have not all agreed on
             step = gate(step, verified_ceiling(
-                r.extra for r in self._membership.members().values() if r.rank >= 0))
+                r.extra for r in read.members.values() if r.rank >= 0))
         except MembershipUnavailable as exc:
             log.warning("event=commit_read_failed error=%s", exc)
             return self.committed

@@ -80,6 +80,12 @@ class Injector:
         self._preconditions: dict[int, dict[str, Any]] = {}
         self.fired: list[dict[str, Any]] = []
 
+    @property
+    def waiting(self) -> bool:
+        """Whether a scenario fault is still to fire (the watch loop then reads the member
+        table at every poll, so a step-triggered fault fires at the step it names)."""
+        return bool(self._pending)
+
     def poll(self, members: Mapping[str, MemberRecord]) -> None:
         self._deferred.run_due()
         furthest = max((m.step for m in members.values() if m.rank >= 0), default=-1)

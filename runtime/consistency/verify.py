@@ -10,6 +10,14 @@ Timeline of one rank, snapshots every N steps (the same steps on every rank):
                   capture(b): its slot claim protects `verified`
                   start reduce[ digest(b-N) ]     (known: capture(b) waited for its publish)
 
+With ``every_steps: auto`` the ranks also meet at the interval agreements between snapshot
+steps (every ``AGREE_EVERY_STEPS``); there they collect the comparison in flight and offer
+the last capture's digest again (``offer``), so b-N is verified within an agreement or two
+of its capture instead of at b:
+
+    agreement a (b-N < a < b): collect reduce; start reduce[ digest(b-N) ] (zeros until
+                  this rank's publish of b-N computed it: outcome unknown, offered again)
+
 A verified step is set before the claim that would evict it (it is then the second newest
 snapshot), and stays protected until a newer one is verified; after a divergence it is
 frozen until a rollback, so every rank's keeper holds the step the launcher rolls back to.
@@ -124,6 +132,21 @@ class ReplicaVerifier:
         """After the capture of ``step``: compare the previous capture's digest (every
         rank starts this at the same snapshot steps, so the collectives line up)."""
         previous, self._previous = self._previous, step
+        with self._lock:
+            digest = None if previous is None else self._digests.get(previous)
+        vector = torch.tensor(agreement_vector(previous, digest), dtype=torch.int64)
+        self._pending = (begin(vector), vector)
+
+    def offer(self, begin: Callable[[torch.Tensor], Any]) -> None:
+        """At an interval agreement between snapshot steps (``every_steps: auto``): compare
+        the last capture's digest (again), so the newest snapshot is verified an agreement
+        or two after its capture and not only at the next capture, an interval of maybe
+        hundreds of steps later (the commit point, and with it the tiers' commits, waited
+        for that). Before this rank's publish computed the digest it offers zeros: the
+        outcome is then unknown and the next agreement offers it again. Every rank offers
+        at the same steps, so the collectives line up; a step already verified only
+        agrees again."""
+        previous = self._previous
         with self._lock:
             digest = None if previous is None else self._digests.get(previous)
         vector = torch.tensor(agreement_vector(previous, digest), dtype=torch.int64)

@@ -612,10 +612,12 @@ class Session(Rejoining):
                     return
             if snapshotter.shares_interval and (due or step % AGREE_EVERY_STEPS == 0
                                                 or self._unmeasured):
-                # the comparison started at the last snapshot step, read at the same steps
-                # as the interval (not only at the next snapshot, maybe hundreds of steps
-                # on): replicas that never agreed are named a step after the measuring one
-                if not due and not self._compare_replicas(collect=True):
+                # the comparison in flight, read at the same steps as the interval (not only
+                # at the next snapshot, maybe hundreds of steps on), and the last capture's
+                # offered again: replicas that never agreed are named a step after the
+                # measuring one, and the newest snapshot is verified (commits) this soon
+                if not due and not (self._compare_replicas(collect=True)
+                                    and self._compare_replicas(collect=False, offer=True)):
                     return
                 self._agree_interval(snapshotter)
 
@@ -643,16 +645,19 @@ class Session(Rejoining):
         else:
             log.debug("event=step_done step=%d seconds=%.4f", step, seconds)
 
-    def _compare_replicas(self, collect: bool) -> bool:
+    def _compare_replicas(self, collect: bool, offer: bool = False) -> bool:
         """``detection.compare_replicas`` at a snapshot step (``phalanx.runtime.consistency.verify``):
         collect the previous comparison before the capture (its verified step is what the
-        capture's slot claim protects), start the next one after it. False when a failed
-        collective made this rank recover instead."""
+        capture's slot claim protects), start the next one after it; at an interval
+        agreement between snapshot steps (``offer``) start one of the last capture. False
+        when a failed collective made this rank recover instead."""
         verifier = self._verifier
         if verifier is None:
             return True
         try:
-            if not collect:
+            if offer:
+                verifier.offer(self._start_reduce)
+            elif not collect:
                 verifier.start(self._progress.step_index, self._start_reduce)
             elif (found := verifier.collect(self._wait_reduce)) and found.state == "diverged":
                 self._wake.set()        # the launcher learns it at once, not next heartbeat

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from phalanx.launcher.coordination.commit_tracker import CommitTracker
+from phalanx.runtime.base import read_table
 from phalanx.runtime.commit import COMMIT_KEY, KeeperReport, committed_from
 from phalanx.runtime.keeper.reporter import KEEPERS
 from tests.fakes.membership_memory import InMemoryMembership
@@ -62,3 +63,19 @@ def test_settle_is_bounded_when_a_step_never_commits() -> None:
     membership.put(KEEPERS + "n1", _report("n1", {1: (10, 20)}, {0: (10, 20)}))
     assert tracker.settle(1.5, clock=clock, sleep=clock.sleep) == 10
     assert _commit(membership) == 10 and 101.5 <= clock.now < 102.5
+
+
+def test_a_poll_given_the_watch_loops_read_of_the_table_uses_it() -> None:
+    """The launcher's watch loop reads the keepers' reports and the members for itself and
+    hands that read to the tracker, which then does not read them again."""
+    membership, clock = InMemoryMembership(), Clock()
+    tracker = CommitTracker(membership, 2, 1, every_steps=1, every_s=1e9)
+    membership.put(KEEPERS + "n0", _report("n0", {0: (10,)}, {1: (10,)}))
+    membership.put(KEEPERS + "n1", _report("n1", {1: (10,)}, {0: (10,)}))
+    table = read_table(membership)
+    membership.put(KEEPERS + "n0", _report("n0", {0: (10, 20)}, {1: (10, 20)}))
+    membership.put(KEEPERS + "n1", _report("n1", {1: (10, 20)}, {0: (10, 20)}))
+    assert tracker.poll(clock(), table=table) == 10     # what the given read says
+    assert _commit(membership) == 10
+    clock.sleep(1.0)
+    assert tracker.poll(clock()) == 20                  # no read given: etcd's now

@@ -99,6 +99,39 @@ def test_a_divergence_freezes_the_verified_step_until_a_rollback() -> None:
     assert ranks[0].status().verified == -1 and snaps[0].protect_step is None
 
 
+def test_offers_at_agreements_verify_the_newest_capture_before_the_next_one() -> None:
+    """``every_steps: auto``: captures at steps 0 and 100, interval agreements every 16
+    steps between them. The capture of 100 is verified at the second agreement after it
+    (the first offers it before rank 2's publish computed its digest: unknown, offered
+    again), 68 steps before the next capture would have compared it."""
+    group = FakeGroup(3)
+    snaps = [SimpleNamespace(protect_step=None, on_published=None) for _ in range(3)]
+    ranks = [ReplicaVerifier(["model"], 3, 0, snap) for snap in snaps]
+
+    def publish(rank: int, step: int) -> None:
+        snaps[rank].on_published(step, {"model/w": f"xxh3:{step}"}, SPEC)
+
+    for rank, verifier in enumerate(ranks):
+        verifier.note_capture(0)
+        publish(rank, 0)
+    for rank, verifier in enumerate(ranks):          # capture at 100: compares step 0
+        verifier.collect(group.wait)
+        verifier.start(100, group.begin(rank))
+        if rank != 2:                                # rank 2's publish of 100 still runs
+            publish(rank, 100)
+    verified = []
+    for agreement in (112, 128, 144):
+        for rank, verifier in enumerate(ranks):
+            verifier.collect(group.wait)
+            verifier.offer(group.begin(rank))
+        if agreement == 112:
+            publish(2, 100)
+        verified.append([r.status().verified for r in ranks])
+    assert verified == [[0, 0, 0], [0, 0, 0], [100, 100, 100]]
+    assert [s.protect_step for s in snaps] == [100, 100, 100]
+    assert group.started == [4, 4, 4]                # the collectives lined up
+
+
 # --- the corrupt_params drill --------------------------------------------------------------
 
 CHILD = textwrap.dedent("""

@@ -16,7 +16,7 @@ from phalanx.launcher.services.etcd_outage import EtcdOutage, outage_grace_s
 from phalanx.launcher.coordination.monitor import Monitor, PollResult
 from phalanx.launcher.coordination.node_watch import NodeWatch
 from phalanx.recovery.detection import LeaseLost
-from phalanx.runtime.base import MemberRecord
+from phalanx.runtime.base import MEMBERS, KeyValue, MemberRecord, encode_member
 from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address
 from tests.fakes.membership_memory import InMemoryMembership
 from phalanx.runtime.commit import KeeperReport
@@ -36,16 +36,21 @@ class Clock:
 
 
 class FlakyMembership:
-    """members() answers or raises MembershipUnavailable, as the test says."""
+    """The member table's reads answer or raise MembershipUnavailable, as the test says;
+    ``reads`` counts the range reads."""
 
     def __init__(self) -> None:
         self.up = True
+        self.reads = 0
         self.table = {"w0": MemberRecord(worker_id="w0", rank=0, node="node0", step=3)}
 
-    def members(self) -> dict[str, MemberRecord]:
+    def list_prefix(self, prefix: str) -> list[KeyValue]:
+        self.reads += 1
         if not self.up:
             raise MembershipUnavailable("etcd 127.0.0.1:1 list failed: UNAVAILABLE")
-        return dict(self.table)
+        if prefix != MEMBERS:
+            return []
+        return [KeyValue(f"{MEMBERS}{w}", encode_member(r), 1) for w, r in self.table.items()]
 
 
 def test_outage_serves_the_last_table_then_distrusts_keys_for_the_grace() -> None:
@@ -68,6 +73,27 @@ def test_outage_serves_the_last_table_then_distrusts_keys_for_the_grace() -> Non
     clock.now += 6.0
     outage.members()
     assert outage.trusted() and resets == [101.0, 103.5] and outage.outages == 1
+
+
+def test_the_table_is_read_again_after_the_interval_or_when_asked_for_a_fresh_one() -> None:
+    membership, clock = FlakyMembership(), Clock()
+    outage = EtcdOutage(membership, lambda e, **f: None, grace_s=1.0,  # type: ignore[arg-type]
+                        min_interval_s=0.25, clock=clock)
+    assert outage.members() == membership.table and membership.reads == 2
+    membership.table = {}
+    clock.now += 0.1
+    assert outage.members() != {} and membership.reads == 2        # the last read
+    assert outage.members(fresh=True) == {} and membership.reads == 4
+    membership.table = {"w1": MemberRecord(worker_id="w1", rank=1, node="node1", step=5)}
+    clock.now += 0.25
+    assert outage.members() == membership.table and membership.reads == 6
+    membership.up = False      # found at the next read; then asked at every poll, table kept
+    clock.now += 0.1
+    assert outage.members() == membership.table and membership.reads == 6 and outage.trusted()
+    clock.now += 0.2
+    assert outage.members() == membership.table and membership.reads == 7
+    assert outage.members() == membership.table and membership.reads == 8
+    assert not outage.trusted()
 
 
 def test_an_outage_past_the_budget_ends_the_job() -> None:
