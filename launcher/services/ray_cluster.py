@@ -26,6 +26,7 @@ NODE_RESOURCE = "phalanx_node_{}"
 # Amount of the node resource each virtual node offers; an actor asks for a sliver of it.
 NODE_RESOURCE_UNITS = 1000
 START_ATTEMPTS = 3
+PROBE_CHECK_S = 1.0     # how often a start-up probe looks for a dead raylet
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -174,11 +175,21 @@ class LocalRay:
         start-up attempt, instead of a job that dies while its keepers start."""
         probes = [_probe.options(resources={node_resource(index): 1}).remote()
                   for index in self._nodes]
-        ray.get(probes, timeout=timeout_s)
-        dead = [n["NodeID"] for n in ray.nodes() if not n["Alive"]]
-        if dead:
-            raise ServiceStartError(f"{len(dead)} raylet(s) died while their first worker "
-                                    f"started: {dead}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # a dead raylet's probe never ends: look for one every second rather than
+            # wait out the whole timeout (it cost a minute per start that hit it)
+            done, _ = ray.wait(probes, num_returns=len(probes), timeout=PROBE_CHECK_S)
+            dead = [n["NodeID"] for n in ray.nodes() if not n["Alive"]]
+            if dead:
+                raise ServiceStartError(f"{len(dead)} raylet(s) died while their first "
+                                        f"worker started: {dead}")
+            if len(done) == len(probes):
+                ray.get(probes)
+                return
+            if time.monotonic() > deadline:
+                raise ServiceStartError(f"{len(probes) - len(done)} virtual node(s) started "
+                                        f"no worker within {timeout_s:g} s")
 
     def _head_args(self) -> dict[str, Any]:
         return {
