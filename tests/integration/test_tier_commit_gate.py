@@ -119,3 +119,26 @@ def test_a_launched_job_commits_to_its_tier_only_what_the_job_committed(tmp_path
     assert markers and markers[-1] == max(s for s in persisted if s <= final), (
         markers, persisted, final)
     assert max(persisted) - markers[-1] <= 10, (markers, persisted, final)   # not far behind
+
+
+def test_at_auto_the_newest_snapshot_commits_without_waiting_for_the_next(
+        tmp_path: Path) -> None:
+    """``every_steps: auto`` with a budget that stretches the interval past the run: the
+    snapshots the start-up takes are the only ones, so their digest comparison cannot wait
+    for a next capture. The interval agreements offer it; the newest persisted step is
+    committed in the tier well before the run ends (it was never committed before)."""
+    tier = tmp_path / "tier"
+    result = launch("configs/demo.yaml", "job.world_size=2", "spares.count=0",
+                    "job.args.steps=120", "snapshot.overhead_budget=0.0001",
+                    "tiers.disk.every_steps=auto", "tiers.disk.keep=10",
+                    f"tiers.disk.path={tier}", run_root=tmp_path / "runs")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = latest_run(tmp_path / "runs")
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
+    persisted = sorted({e["step"] for e in events if e["event"] == "tier_persisted"})
+    assert persisted and max(persisted) <= 60, persisted     # only start-up snapshots
+    markers = sorted(int(p.parent.name.removeprefix("step_")) for p in
+                     tier.glob("demo/step_*/COMMIT"))
+    assert markers and markers[-1] == max(persisted), (markers, persisted)
+    committed = [e for e in events if e["event"] == "tier_committed"]
+    assert all(e["step"] <= e["commit"] for e in committed), committed
