@@ -249,6 +249,7 @@ class Snapshotter:
         self._cuda_event: Any = None
         self._last_capture_step = -1
         self._agreed: int | None = None    # the job-wide auto interval, set by the Session
+        self._measure_next = False         # see measure_next
         self._copied = threading.Event()
         self._copied.set()
         self._check: CopyCheck | None = None     # the last capture's, until judged
@@ -269,6 +270,7 @@ class Snapshotter:
         snapshotting the same steps); a publish still in flight is waited for and its error
         dropped."""
         self._settle()
+        self._measure_next = False
         self._last_capture_step = self.stats.last_capture_step = step
 
     def use_client(self, client: KeeperClient) -> None:
@@ -299,6 +301,7 @@ class Snapshotter:
         """After a rollback to ``step``: the next capture is counted from there (and a
         job-wide auto interval starts again at 1, as it does on a fresh replacement)."""
         self._last_capture_step = step
+        self._measure_next = False
         if self._agreed is not None:
             self._agreed = 1
 
@@ -328,11 +331,18 @@ class Snapshotter:
         self._agreed = max(1, min(AUTO_MAX_INTERVAL, int(interval)))
         self.stats.interval = self._agreed
 
+    def measure_next(self) -> None:
+        """Snapshot the next step whatever the interval (the job's first capture allocated
+        the slots and measured nothing; the next one measures what a snapshot costs)."""
+        self._measure_next = True
+
     def due(self, step: int) -> bool:
         """Whether ``step`` is snapshotted: the interval in force has passed since the last
         capture, or ``step`` opens a tier window (``SnapshotPolicy.windows``) the last
-        capture is not in. These depend only on steps and on what every rank did at the
-        same step, so every rank picks the same ones."""
+        capture is not in, or ``measure_next`` asked for it. These depend only on steps
+        and on what every rank did at the same step, so every rank picks the same ones."""
+        if self._measure_next:
+            return True
         interval = self._control.interval if self._agreed is None else self._agreed
         last = self._last_capture_step
         return step - last >= interval or any(step // w > last // w for w in self._windows)
@@ -343,6 +353,7 @@ class Snapshotter:
     def capture(self, step: int, objects: Mapping[str, Any]) -> float:
         """Snapshot the state after ``step`` completed steps; returns the training stall (s)."""
         started = time.perf_counter()
+        self._measure_next = False      # taken, or skipped if this raises (see skip)
         self.flush()
         tensors, spec = flatten_state(objects)
         check = CopyCheck(tensors)

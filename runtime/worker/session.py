@@ -551,8 +551,9 @@ class Session(Rejoining):
             self._capture(snapshotter)  # the initial state
             if snapshotter.shares_interval and self.generation == 0 \
                     and self._progress.step_index == 0:
-                # the job's start, the same step on every rank: the snapshot
-                # UNMEASURED_INTERVAL steps on measures, once start-up is over
+                # the job's start, the same step on every rank: the next step's snapshot
+                # measures, then UNMEASURED_INTERVAL holds until an agreement carries it
+                snapshotter.measure_next()
                 snapshotter.agree_interval(UNMEASURED_INTERVAL)
                 self._unmeasured = True
             self._capture_per_rank()
@@ -680,14 +681,10 @@ class Session(Rejoining):
         (a replacement takes the survivors' interval). When none has, the interval is
         ``UNMEASURED_INTERVAL`` and the ranks agree at every step until one has (the
         same steps on every rank: the condition is the agreement's own result). At the
-        job's start the initial snapshot allocates and the one ``UNMEASURED_INTERVAL``
-        steps later measures. It measured at the next step before: a step of start-up
-        (seconds: lazy inits, the initial snapshot's own pushes and tier write) as the
-        step time, and a cost missing those pushes and writes (the keeper reports them at
-        the next claim), so the first interval came out anywhere from 2 to 49 steps on
-        the bench's transformer, whose steady interval is about 250: two or three more
-        full snapshots in its first 15 steps, 268 MB each and each written to the disk
-        tier."""
+        job's start the initial snapshot allocates and the next step's measures
+        (``measure_next``): the interval is then known a few steps later, with no third
+        full snapshot (the interval of 1 and the agreement's lag of one collection took
+        one back to back before, 268 MB on the bench's transformer)."""
         pending, self._agreement = self._agreement, None
         try:
             if pending is not None:

@@ -156,9 +156,9 @@ def test_auto_asks_for_no_interval_until_a_capture_is_measured() -> None:
     """Before its snapshots' cost is known an ``auto`` snapshotter snapshots every step on
     its own, but asks the other ranks for no interval (0: ``Session._agree_interval``
     leaves the choice to ranks that measured); the first capture, which allocates the
-    slots, measures nothing. A skipped step (its keeper gone, no room) counts as a capture,
-    as it does on the other ranks: else this rank alone would go on finding every step
-    due."""
+    slots, measures nothing. ``measure_next`` makes the next step due once, and a skipped
+    step (its keeper gone, no room) counts as that capture, as it does on the other ranks:
+    else this rank alone would go on finding every step due."""
     with auto_snapshotter(captures=0) as (_, _, snap, _):
         asked = [(snap.interval, snap.wanted_interval)]
         for step in (1, 2):
@@ -166,12 +166,13 @@ def test_auto_asks_for_no_interval_until_a_capture_is_measured() -> None:
             snap.flush()
             asked.append((snap.interval, snap.wanted_interval))
         snap.agree_interval(100)
-        due = snap.due(102)
-        snap.skip(102)    # no room or no keeper: counted as taken, as on the other ranks
-        after_skip = snap.due(103)
+        snap.measure_next()
+        forced = snap.due(3)
+        snap.skip(3)      # no room or no keeper: counted as taken, as on the other ranks
+        after_skip = snap.due(4)
     assert asked[:2] == [(1, 0), (1, 0)]
     assert asked[2][1] == asked[2][0] >= 1
-    assert due and not after_skip
+    assert forced and not after_skip
 
 
 def test_auto_counts_the_keepers_replica_pushes_as_snapshot_cost() -> None:
