@@ -218,8 +218,10 @@ class JobRunner:
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.2)
+        local = self.services.local_ray
+        exits = f" (raylet exit status by node: {local.raylet_exits()})" if local else ""
         raise StartupLost(f"Ray lost {len(lost)} node(s) ({', '.join(n[:12] for n in lost)}) "
-                          f"before the job's first step: {str(cause)[:300]}")
+                          f"before the job's first step{exits}: {str(cause)[:300]}")
 
     def _finish(self, run: RunDir, slots: dict[int, RankSlot],
                 coordinator: RecoveryCoordinator, started: float) -> JobResult:

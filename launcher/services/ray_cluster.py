@@ -183,7 +183,8 @@ class LocalRay:
             dead = [n["NodeID"] for n in ray.nodes() if not n["Alive"]]
             if dead:
                 raise ServiceStartError(f"{len(dead)} raylet(s) died while their first "
-                                        f"worker started: {dead}")
+                                        f"worker started: {dead} (exit status by node: "
+                                        f"{self.raylet_exits()})")
             if len(done) == len(probes):
                 ray.get(probes)
                 return
@@ -211,6 +212,19 @@ class LocalRay:
         return {"num_cpus": self._cfg.cpus_per_node, "node_ip_address": "127.0.0.1",
                 "resources": {node_resource(index): NODE_RESOURCE_UNITS},
                 "object_store_memory": self._cfg.object_store_mb * 1024 * 1024}
+
+    def raylet_exits(self) -> dict[int, int]:
+        """The exit status of every virtual node's raylet that has ended (negative: the
+        signal that ended it, -9 for SIGKILL), by node index: what a start-up that lost a
+        node says about how (a raylet of a loaded 2-core machine dies now and then at its
+        node's first worker, with nothing in its own log)."""
+        found: dict[int, int] = {}
+        for index, node in self._nodes.items():
+            for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+                code = info.process.poll()
+                if code is not None:
+                    found[index] = code
+        return found
 
     def node_pids(self, index: int) -> list[int]:
         """The raylet of virtual node ``index`` and every process below it."""

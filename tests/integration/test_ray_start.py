@@ -22,6 +22,9 @@ def test_a_raylet_dead_at_start_up_fails_the_probe_within_seconds() -> None:
         raylet = cluster.node_pids(1)[0]
         os.kill(raylet, signal.SIGKILL)
         started = time.monotonic()
-        with pytest.raises(ServiceStartError, match=r"1 raylet\(s\) died"):
+        with pytest.raises(ServiceStartError, match=r"1 raylet\(s\) died") as raised:
             cluster._probe_nodes(timeout_s=60.0)          # noqa: SLF001
         assert time.monotonic() - started < 15.0
+        # how it died is in the error: the signal, as the launcher reports a lost start
+        assert cluster.raylet_exits() == {1: -signal.SIGKILL}
+        assert "{1: -9}" in str(raised.value)
