@@ -124,10 +124,14 @@ class JobRunner:
         self._started_at = time.time()   # the launch on the wall clock (goodput); reset in run
         self._first_step_seen = False    # a rank finished a step (no start-up retry after)
         self._dead_at_start: list[str] = []   # Ray nodes already dead when Ray came up
+        self._stop_signal: int | None = None  # SIGINT or SIGTERM received
         if standby and not cfg.coordinator.standby:
             raise ConfigError("coordinator.standby", "false, but --standby was given",
                               "set coordinator.standby: true in the job's config (leader and "
                               "standby share it)")
+
+    def _stopped_by(self, signum: int) -> None:
+        self._stop_signal = signum
 
     def run(self) -> JobResult:
         if self.standby:
@@ -165,8 +169,9 @@ class JobRunner:
         self.secret_hex = job_secret(self.cfg, run).hex()
         self.console.print(f"phalanx: run directory {run.path}", markup=False)
         with contextlib.ExitStack() as stack:
-            _install_sigterm(stack)
+            _install_stop_signals(stack, self._stopped_by)
             services = start_services(self.cfg, run, stack)
+            _install_stop_signals(stack, self._stopped_by)
             self._dead_at_start = dead_ray_nodes()
             stack.callback(self._release_shared_memory)     # after the keepers closed
             run.write_job({"job": self.cfg.job.name, "etcd_endpoints": services.etcd_endpoints,
@@ -256,11 +261,12 @@ class JobRunner:
         cfg = self.cfg
         self.drills = None        # drills are the leader's; faults it fired are history
         with contextlib.ExitStack() as stack:
-            _install_sigterm(stack)
+            _install_stop_signals(stack, self._stopped_by)
             self.console.print(f"phalanx: standing by for job {cfg.job.name}")
             services = join_services(cfg, stack, lambda holder: self.console.print(
                 f"phalanx: job {cfg.job.name} is led by pid {holder.get('pid')} on "
                 f"{holder.get('host')}; standing by", markup=False))
+            _install_stop_signals(stack, self._stopped_by)
             started = time.monotonic()
             self._use(services, stack)
             stack.callback(self._release_shared_memory)
@@ -529,6 +535,8 @@ class JobRunner:
         self._publish_state(run, slots, coordinator)
         try:
             while len(results) < cfg.job.world_size:
+                if self._stop_signal is not None:   # its KeyboardInterrupt went missing
+                    raise KeyboardInterrupt(f"signal {self._stop_signal}")
                 self._check_leadership()
                 # every poll while a recovery or a drill fault is pending; otherwise
                 # twice a heartbeat, the rate the keepers rewrite the records
@@ -720,16 +728,23 @@ def _kill_actor(actor: Any) -> None:
         ray.kill(actor, no_restart=True)
 
 
-def _install_sigterm(stack: contextlib.ExitStack) -> None:
-    """SIGTERM unwinds like Ctrl-C, so every service is stopped."""
-    def on_sigterm(signum: int, frame: object) -> None:
+def _install_stop_signals(stack: contextlib.ExitStack, on_signal: Callable[[int], None]) -> None:
+    """SIGTERM unwinds like Ctrl-C, so every service is stopped; both are also handed to
+    ``on_signal``, and the watch loop raises again at its next poll. A ``KeyboardInterrupt``
+    raised while Ray's ``wait`` checks for signals can be lost in it: a launcher once
+    polled on for a minute after SIGINT, its main thread in ``Monitor.poll``'s
+    ``ray.wait``. Installed again once Ray runs, so Ray's own SIGINT handling, if it set
+    one, is not the one in force."""
+    def on_stop(signum: int, frame: object) -> None:
+        on_signal(signum)
         raise KeyboardInterrupt(f"signal {signum}")
 
-    try:
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
-    except ValueError:  # not the main thread: leave signals to the caller
-        return
-    stack.callback(signal.signal, signal.SIGTERM, previous)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous = signal.signal(signum, on_stop)
+        except ValueError:  # not the main thread: leave signals to the caller
+            return
+        stack.callback(signal.signal, signum, previous)
 
 
 def assign_local_rank(slots: Mapping[int, RankSlot], slot: RankSlot) -> int:
