@@ -132,10 +132,7 @@ class ReplicaVerifier:
         """After the capture of ``step``: compare the previous capture's digest (every
         rank starts this at the same snapshot steps, so the collectives line up)."""
         previous, self._previous = self._previous, step
-        with self._lock:
-            digest = None if previous is None else self._digests.get(previous)
-        vector = torch.tensor(agreement_vector(previous, digest), dtype=torch.int64)
-        self._pending = (begin(vector), vector)
+        self._compare(previous, begin)
 
     def offer(self, begin: Callable[[torch.Tensor], Any]) -> None:
         """At an interval agreement between snapshot steps (``every_steps: auto``): compare
@@ -146,10 +143,13 @@ class ReplicaVerifier:
         outcome is then unknown and the next agreement offers it again. Every rank offers
         at the same steps, so the collectives line up; a step already verified only
         agrees again."""
-        previous = self._previous
+        self._compare(self._previous, begin)
+
+    def _compare(self, step: int | None, begin: Callable[[torch.Tensor], Any]) -> None:
+        """Start the comparison of ``step``'s digest (zeros when there is none yet)."""
         with self._lock:
-            digest = None if previous is None else self._digests.get(previous)
-        vector = torch.tensor(agreement_vector(previous, digest), dtype=torch.int64)
+            digest = None if step is None else self._digests.get(step)
+        vector = torch.tensor(agreement_vector(step, digest), dtype=torch.int64)
         self._pending = (begin(vector), vector)
 
     def note_capture(self, step: int) -> None:
