@@ -20,8 +20,8 @@ import grpc
 
 from phalanx.configs.errors import ConfigError, LeaseLost, MembershipUnavailable
 from phalanx.configs.schema import EtcdConfig
-from phalanx.runtime.base import (KEEPERS, MEMBERS, KeyValue, MemberRecord, WatchEvent,
-                                  encode_member, member_table)
+from phalanx.runtime.base import (MEMBERS, KeyValue, MemberRecord, WatchEvent, encode_member,
+                                  read_table)
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -387,7 +387,7 @@ class EtcdMembership:
             log.info("event=member_left lease=%x endpoint=%s", lease, self.endpoint)
 
     def members(self) -> dict[str, MemberRecord]:
-        return member_table(self.list_prefix(MEMBERS), self.list_prefix(KEEPERS))
+        return read_table(self).members
 
     def _start_keepalive(self, lease_id: int, ttl: int, worker_id: str) -> None:
         stop = threading.Event()
