@@ -32,7 +32,7 @@ def reset_commit_point(membership: Membership, now: float | None = None) -> None
 class CommitTracker:
     """Owned by the launcher's main thread; ``poll`` is cheap: it reads the keepers' reports
     and, for the replica gate, the members' records (two etcd range reads), or takes the
-    watch loop's own read of both (``table``) when that is at most ``read_every_s`` old."""
+    watch loop's own read of both (``table``, read twice as often as this polls)."""
 
     def __init__(self, membership: Membership, world_size: int, factor: int,
                  every_steps: int, every_s: float = 5.0, read_every_s: float = 0.5,
