@@ -29,7 +29,7 @@ START_ATTEMPTS = 3
 PROBE_CHECK_S = 1.0     # how often a start-up probe looks for a dead raylet
 
 
-@ray.remote(num_cpus=0, max_retries=0)
+@ray.remote(num_cpus=0, max_retries=0, max_calls=1)
 def _probe() -> int:
     """A node's first worker process: its pid (``LocalRay._probe_nodes``)."""
     return os.getpid()
