@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from phalanx.configs.errors import ConfigError, PeerUnreachable, SnapshotNotFound, StaleGeneration
+from phalanx.runtime.base import is_channel
 from phalanx.runtime.keeper.memory_plan import (MemoryPlan, MemoryPlanExceeded, fix_hint,
                                                 job_bytes_held, plan_shortfall)
 from phalanx.runtime.keeper.wire import (KeeperClient, KeeperRequestInvalid, OpHandler, SlotBusy,
@@ -23,6 +24,9 @@ from phalanx.runtime.transport.tcp import DEFAULT_MAX_PAYLOAD, FrameServer, Repl
 log = logging.getLogger(__name__)
 
 _WRITE_OPS = frozenset({"alloc", "claim", "publish", "put_replica", "drop"})
+# A buffer that held nothing this long gives its pages back (``Keeper._reclaim``): longer
+# than the gap between the snapshots of a job that takes one every step or every few.
+RELEASE_AFTER_S = 5.0
 __all__ = ["Keeper", "KeeperClient", "KeeperRequestInvalid", "SlotBusy", "memory_plan",
            "check_capacity", "owned_names"]
 
@@ -73,6 +77,7 @@ class Keeper:
         self._push_s: dict[tuple[int, str], float] = {}     # (rank, holder) -> last push
         self._tier_s: dict[int, float] = {}     # rank -> tier writes since its last claim
         self._committed = -1              # the job's committed step, as last read from etcd
+        self._commit_read = -1            # the last value read (``_committed`` never goes back)
         # ranks whose slots (own) or replicas this keeper no longer needs since a new
         # placement, -> the committed step then: released once a newer step commits
         self._departed: dict[tuple[str, int], int] = {}
@@ -125,8 +130,10 @@ class Keeper:
 
     # ----- local slots -------------------------------------------------------------------
 
-    def alloc(self, rank: int, nbytes: int) -> list[str]:
+    def alloc(self, rank: int, nbytes: int, *, releasable: bool = True) -> list[str]:
         """Paths of ``slots`` files of ``nbytes`` each for ``rank`` (idempotent per size).
+        ``releasable=False``: the writer pins its maps (CUDA), so their pages stay even
+        when they hold no step worth keeping (``_reclaim``).
 
         A new size (or a layout with a file gone) makes a new layout version; the old
         layout's newest ready step is served until a new slot is published. Raises ConfigError(snapshot.shm_dir) before
@@ -142,6 +149,7 @@ class Keeper:
                 # files racing with this alloc) is replaced, never handed out
                 if table is not None and table.slot_nbytes == nbytes \
                         and all(os.path.exists(h.buf.path) for h in table.slots):
+                    table.releasable = table.releasable and releasable
                     return [h.buf.path for h in table.slots]
                 version = table.version + 1 if table else 0
             self._check_room(rank, nbytes)
@@ -149,7 +157,9 @@ class Keeper:
             try:
                 for i in range(self.slots):
                     path = os.path.join(self.shm_dir, f"{self.prefix}r{rank}-v{version}-s{i}")
-                    bufs.append(ShmBuffer.create(path, nbytes))
+                    # the worker allocates a slot's pages as it first writes it (reserve_file):
+                    # a job whose snapshots are far apart never touches its spare slots
+                    bufs.append(ShmBuffer.create(path, nbytes, allocate=False))
             except BaseException as exc:
                 for buf in bufs:
                     buf.close()
@@ -158,7 +168,8 @@ class Keeper:
                 raise
             with self._cond:
                 self._refuse_if_closed(bufs)
-                new = RankSlots(version, nbytes, [Held(b, rank) for b in bufs])
+                new = RankSlots(version, nbytes, [Held(b, rank) for b in bufs],
+                                releasable=releasable)
                 if table is not None:
                     new.retired = self._retire_layout(table)
                 self._local[rank] = new
@@ -276,6 +287,7 @@ class Keeper:
                 self._cond.wait(left)
             held = table.slots[index]
             held.state, held.step, held.manifest, held.used = "writing", -1, b"", 0
+            held.buf.in_use()
         return index, held.buf.path
 
     def _preempt(self, held: Held) -> None:
@@ -312,6 +324,7 @@ class Keeper:
             for old in table.retired:
                 self._doom(old)
             table.retired = []
+            self._reclaim()
             self._cond.notify_all()
         if notify:
             self.notify_published()
@@ -354,8 +367,17 @@ class Keeper:
         steps stay; a failed ``fill`` leaves what was held untouched."""
         if nbytes <= 0:
             raise KeeperRequestInvalid(f"replica of rank {rank} step {step} is empty")
-        buf = self._take_free(nbytes) or ShmBuffer.create(
-            os.path.join(self.shm_dir, f"{self.prefix}x{next(self._seq)}"), nbytes)
+        buf = self._take_free(nbytes)
+        if buf is not None:
+            try:
+                buf.reserve()       # (its pages were released if it lay idle)
+            except BaseException:
+                with self._cond:
+                    self._keep_free(buf)
+                raise
+        else:
+            buf = ShmBuffer.create(
+                os.path.join(self.shm_dir, f"{self.prefix}x{next(self._seq)}"), nbytes)
         view = buf.view(nbytes)
         try:
             fill(view)
@@ -377,6 +399,7 @@ class Keeper:
             del held[:-self.replica_keep]
             for old in evicted:
                 self._evict(old)
+            self._reclaim()
         log.debug("keeper.replica_stored node=%s rank=%d step=%d nbytes=%d evicted=%s",
                   self.node, rank, step, nbytes, [h.step for h in evicted])
         return [h.step for h in evicted]
@@ -385,6 +408,7 @@ class Keeper:
         with self._cond:
             for i, buf in enumerate(self._free):
                 if buf.nbytes == nbytes:
+                    buf.in_use()
                     return self._free.pop(i)
         return None
 
@@ -398,10 +422,12 @@ class Keeper:
 
     def _keep_free(self, buf: ShmBuffer) -> None:
         """Called with the lock held: keep ``buf`` for the next put_replica of its size (at
-        most one per replicated rank; the oldest beyond that is closed)."""
+        most one per replicated rank; the oldest beyond that is closed); its pages go once
+        it lay idle ``RELEASE_AFTER_S`` (``_reclaim``)."""
         if self._closed:
             buf.close()
             return
+        buf.idle_since = time.monotonic()
         self._free.append(buf)
         self._trim_free()
 
@@ -539,10 +565,63 @@ class Keeper:
 
     def note_committed(self, step: int) -> None:
         """The job's committed step (read from etcd by the reporter); it only moves on.
-        Releases what ``retarget`` marked once a step newer than the mark commits."""
+        Releases what ``retarget`` marked once a step newer than the mark commits, and the
+        memory of snapshots older than the commit point (``_reclaim``)."""
         with self._cond:
             self._committed = max(self._committed, step)
+            self._commit_read = step
+            self._reclaim()
         self._release_departed()
+
+    def _reclaim(self) -> None:
+        """Called with the lock held: forget every full snapshot (local slot or replica)
+        older than the job's commit point that is neither its rank's newest here nor being
+        read, and give back the pages of every buffer that held nothing for
+        ``RELEASE_AFTER_S``. No recovery restores such a step: the ladder restores the
+        committed step or falls to a tier (``recovery.planner``), and a corruption cap never
+        goes below the commit point, which only moves past steps whose replicas agreed. So
+        between snapshots far apart (``every_steps: auto``) a rank holds the memory of one
+        step here, and of two while a new one commits, instead of every slot's and replica
+        buffer's worth for the whole run; a buffer reused at once (snapshots every step)
+        keeps its pages. The floor is the older of the newest commit point seen and the last
+        one read (one that went back forgets nothing newer than it). Per-rank channels
+        keep their steps (heals read them); a writer that pinned its maps for CUDA keeps
+        its pages."""
+        floor = min(self._committed, self._commit_read)
+        forgot: list[tuple[str, int, int]] = []
+        now = time.monotonic()
+        for rank, table in self._local.items():
+            if is_channel(rank) or not table.releasable:
+                continue
+            ready = [h for h in table.slots if h.state == "ready"]
+            newest = max(ready, key=lambda h: h.step, default=None)
+            for held in ready:
+                if held is not newest and held.step < floor and held.pins == 0:
+                    forgot.append(("local", rank, held.step))
+                    held.state, held.step, held.manifest, held.used = "empty", -1, b"", 0
+            for held in table.slots:
+                if held.state == "empty" and held.pins == 0:
+                    self._release_if_idle(held.buf, now)
+        for rank, lst in self._replicas.items():
+            if is_channel(rank):
+                continue
+            for held in [h for h in lst[:-1] if h.step < floor and h.pins == 0]:
+                forgot.append(("replica", rank, held.step))
+                lst.remove(held)
+                self._evict(held)
+        for buf in self._free:
+            self._release_if_idle(buf, now)
+        if forgot:
+            log.debug("keeper.forgot node=%s floor=%d steps=%s", self.node, floor, forgot)
+
+    @staticmethod
+    def _release_if_idle(buf: ShmBuffer, now: float) -> None:
+        if buf.released:
+            return
+        if buf.idle_since is None:
+            buf.idle_since = now
+        elif now - buf.idle_since >= RELEASE_AFTER_S:
+            buf.release_pages()
 
     def retarget(self, local_ranks: Iterable[int], replica_ranks: Iterable[int]) -> None:
         """A new generation's placement (the launcher's thread, through the keeper actor):
@@ -593,11 +672,12 @@ class Keeper:
                      kind, rank, files, self._committed)
 
     def _trim_free(self) -> None:
-        """Called with the lock held: keep at most one recycled buffer per replicated rank."""
-        limit = max(1, len(self._replicas))
-        for old in self._free[:-limit]:
+        """Called with the lock held: keep at most one recycled buffer per replicated rank
+        (none once no rank is replicated here)."""
+        extra = max(0, len(self._free) - len(self._replicas))
+        for old in self._free[:extra]:
             old.close()
-        del self._free[:-limit]
+        del self._free[:extra]
 
     def committed_step(self) -> int:
         """The newest committed step this keeper has heard of; -1 before the first."""
@@ -629,13 +709,16 @@ class Keeper:
                      h.buf.nbytes} for kind, h in held]
 
     def stats(self) -> dict[str, int]:
-        """Bytes and files held: local slots (all layouts), replicas, recycled buffers."""
+        """Bytes and files held: local slots (all layouts), replicas, recycled buffers (their
+        sizes), and ``resident_bytes``: the tmpfs pages all of them hold now (``_reclaim``
+        gives back those of buffers that hold nothing)."""
         with self._cond:
             local = [h.buf for t in self._local.values() for h in t.slots + t.retired]
             replica = [h.buf for lst in self._replicas.values() for h in lst]
             return {"local_bytes": sum(b.nbytes for b in local),
                     "replica_bytes": sum(b.nbytes for b in replica),
                     "free_bytes": sum(b.nbytes for b in self._free),
+                    "resident_bytes": sum(b.resident() for b in local + replica + self._free),
                     "files": len(local) + len(replica) + len(self._free),
                     "ranks_local": len(self._local), "ranks_replica": len(self._replicas)}
 

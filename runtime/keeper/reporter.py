@@ -135,5 +135,5 @@ def report_from_keeper(node: str, address: tuple[str, int], holdings: dict[int, 
                if info.get("local")},
         replicas={rank: tuple(info.get("replica", ())) for rank, info in holdings.items()
                   if info.get("replica")},
-        bytes_held=int(stats.get("local_bytes", 0)) + int(stats.get("replica_bytes", 0)),
+        bytes_held=int(stats.get("resident_bytes", 0)),
         generation=generation)

@@ -57,10 +57,19 @@ class ShmBuffer:
         self.nbytes = nbytes
         self._mm: mmap.mmap | None = mm
         self._linked = True
+        # since when it holds nothing worth keeping (the Keeper releases its pages once
+        # that lasted RELEASE_AFTER_S); None while it holds a step or is being written
+        self.idle_since: float | None = None
+        self.released = False
+
+    def in_use(self) -> None:
+        """It holds (or is about to hold) a step: its pages stay."""
+        self.idle_since, self.released = None, False
 
     @classmethod
-    def create(cls, path: str, nbytes: int) -> "ShmBuffer":
-        """Create ``path`` of ``nbytes``, allocate every page now, and map it.
+    def create(cls, path: str, nbytes: int, *, allocate: bool = True) -> "ShmBuffer":
+        """Create ``path`` of ``nbytes``, allocate every page now (unless not ``allocate``:
+        then its writer calls ``reserve_file`` first), and map it.
 
         Raises ConfigError(snapshot.shm_dir) when the tmpfs is full, FileExistsError when
         the name is taken. Allocating now turns a later SIGBUS in a worker into this error.
@@ -70,8 +79,10 @@ class ShmBuffer:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, nbytes)
-            _pretouch(fd, nbytes, path)
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE,
+            if allocate:
+                _pretouch(fd, nbytes, path)
+            # (populating a map of a file with holes would allocate them)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | (_POPULATE if allocate else 0),
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -79,6 +90,26 @@ class ShmBuffer:
             raise
         os.close(fd)
         return cls(path, nbytes, mm)
+
+    def release_pages(self) -> None:
+        """Give the file's memory back (``MADV_REMOVE``: the tmpfs frees its pages; the
+        size and every mapping stay, and a read sees zeros). ``reserve`` allocates them
+        again before anything writes into it."""
+        if self._mm is not None:
+            self._mm.madvise(mmap.MADV_REMOVE)
+            self.released = True
+
+
+    def resident(self) -> int:
+        """Bytes of the file the tmpfs holds pages for (0 once it is gone)."""
+        try:
+            return os.stat(self.path).st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    def reserve(self) -> None:
+        """Allocate every page again after ``release_pages`` (``reserve_file``)."""
+        reserve_file(self.path, self.nbytes)
 
     def view(self, nbytes: int | None = None) -> memoryview:
         """A writable view of the first ``nbytes``; the caller must ``release()`` it."""
@@ -131,6 +162,9 @@ class RankSlots:
     slot_nbytes: int
     slots: list[Held]
     retired: list[Held] = field(default_factory=list)
+    # False once a writer said it pins its maps (CUDA host registration): the pages of a
+    # slot it registered must stay, so the keeper never releases them (Keeper._reclaim)
+    releasable: bool = True
 
 
 def map_slots(alloc: Callable[[], list[str]], nbytes: int,
@@ -168,6 +202,18 @@ def pick_slot(table: RankSlots, protect_step: int | None, *,
                and (h.pins == 0 or (preempt and h.pins == len(h.yielding)))
                and not (h.state == "ready" and h.step == protect_step)]
     return min(choices)[2] if choices else None
+
+
+def reserve_file(path: str, nbytes: int) -> None:
+    """Allocate the pages of ``path``'s first ``nbytes`` that a keeper released (a no-op
+    when none was): a full tmpfs is then this ConfigError(snapshot.shm_dir), not a SIGBUS
+    in whichever process writes into the mapping."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_blocks * 512 < nbytes:
+            _pretouch(fd, nbytes, path)
+    finally:
+        os.close(fd)
 
 
 def _pretouch(fd: int, nbytes: int, path: str) -> None:

@@ -38,7 +38,7 @@ class _Served(Protocol):
     node: str
     job: str
 
-    def alloc(self, rank: int, nbytes: int) -> list[str]: ...
+    def alloc(self, rank: int, nbytes: int, *, releasable: bool = True) -> list[str]: ...
     def claim(self, rank: int, protect_step: int | None = None, *,
               wait: bool = True) -> tuple[int, str]: ...
     def replication_cost(self, rank: int) -> float: ...
@@ -90,7 +90,8 @@ def handle(keeper: _Served, request: Request,
         case "ping":
             return Reply({"node": keeper.node, "job": keeper.job, "pid": os.getpid()})
         case "alloc":
-            return Reply({"paths": keeper.alloc(header_int(h, "rank"), header_int(h, "size"))})
+            return Reply({"paths": keeper.alloc(header_int(h, "rank"), header_int(h, "size"),
+                                                releasable=h.get("releasable") is not False)})
         case "claim":
             rank = header_int(h, "rank")
             slot, path = keeper.claim(rank, header_int(h, "protect_step", None))
@@ -230,10 +231,13 @@ class KeeperClient:
     def ping(self) -> dict[str, Any]:
         return self._call({"op": "ping"})
 
-    def alloc(self, rank: int, nbytes: int) -> list[str]:
-        """Paths of the rank's slot files (created, sized and pre-touched by the keeper)."""
+    def alloc(self, rank: int, nbytes: int, *, releasable: bool = True) -> list[str]:
+        """Paths of the rank's slot files (created, sized and pre-touched by the keeper).
+        ``releasable=False``: this writer pins its maps (CUDA), so the keeper keeps their
+        pages even when they hold nothing worth keeping."""
         wait = self._timeout_s + 4 * nbytes / _ALLOC_BYTES_PER_S
-        reply = self._call({"op": "alloc", "rank": rank, "size": nbytes}, reply_timeout_s=wait)
+        reply = self._call({"op": "alloc", "rank": rank, "size": nbytes,
+                            "releasable": releasable}, reply_timeout_s=wait)
         return reply["paths"]
 
     def claim(self, rank: int, protect_step: int | None = None) -> tuple[int, str]:

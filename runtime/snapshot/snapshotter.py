@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-from phalanx.runtime.keeper.shm import map_slots
+from phalanx.runtime.keeper.shm import map_slots, reserve_file
 from phalanx.runtime.keeper.wire import KeeperClient, SlotBusy
 from phalanx.runtime.snapshot.copy_check import CopyCheck
 from phalanx.runtime.snapshot.checksum import DEFAULT_ALGO, DigestJob, check_algo, finish, helpers
@@ -35,7 +35,6 @@ from phalanx.runtime.snapshot.format import (SnapshotLayout, landing_job, make_m
 from phalanx.runtime.snapshot.state_tree import flatten_state
 
 log = logging.getLogger(__name__)
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 AUTO_MAX_INTERVAL = 1000
 # A planning margin for what a snapshot costs the training loop beyond what the worker
 # measures (effects that outlast the steps after a capture, caches the copies evict, noise
@@ -475,12 +474,14 @@ class Snapshotter:
         if self._layout is not None and self._layout.matches(tensors):
             return self._layout
         layout = plan_layout(tensors)
-        maps = map_slots(lambda: self._client.alloc(self._rank, layout.total_bytes),
+        cuda = any(t.is_cuda for t in tensors.values())
+        maps = map_slots(lambda: self._client.alloc(self._rank, layout.total_bytes,
+                                                    releasable=not cuda),
                          layout.total_bytes, _map, _close_map)   # (a file gone: alloc again)
         for mapping in self._maps.values():
             _close_map(mapping)
         self._maps, paths = maps, list(maps)
-        if any(t.is_cuda for t in tensors.values()):
+        if cuda:
             for mapping in self._maps.values():
                 _pin(mapping, layout.total_bytes)
         self._layout = layout
@@ -494,7 +495,7 @@ class Snapshotter:
         claimed, self._next_claim = self._next_claim, None
         if claimed is not None and claimed[1] in self._maps:    # (not another layout's)
             self.stats.committed_step = self._client.committed
-            return claimed[0], memoryview(self._maps[claimed[1]])[:layout.total_bytes]
+            return claimed[0], self._writable(claimed[1], layout)
         protect = self.protect_step
         try:
             slot, path = self._client.claim(self._rank, protect)
@@ -506,7 +507,14 @@ class Snapshotter:
             log.warning("event=protected_slot_given_up rank=%d step=%d", self._rank, protect)
             slot, path = self._client.claim(self._rank)
         self.stats.committed_step = self._client.committed
-        return slot, memoryview(self._maps[path])[:layout.total_bytes]
+        return slot, self._writable(path, layout)
+
+    def _writable(self, path: str, layout: SnapshotLayout) -> memoryview:
+        """The claimed slot's map, its pages allocated first: the keeper gives back the
+        pages of a slot whose step is older than the commit point, and writing into such a
+        slot with the tmpfs full would be a SIGBUS, where this is a ConfigError."""
+        reserve_file(path, layout.total_bytes)
+        return memoryview(self._maps[path])[:layout.total_bytes]
 
     def _publish(self, step: int, layout: SnapshotLayout, spec: dict, work: _Work,
                  stall: float | None) -> None:
@@ -595,7 +603,9 @@ class Snapshotter:
 def _map(path: str, size: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR)
     try:
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE,
+        # not populated: the keeper leaves a slot's pages unallocated until it is written
+        # (``_writable``), and populating would allocate them
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

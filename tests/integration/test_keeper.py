@@ -139,6 +139,8 @@ def test_replicas_retention_and_stats(keeper, client):
             _publish(client, 0, step, _pattern(step, n))
             assert client.holdings()[0]["local"] == list(range(max(1, step - 1), step + 1))
         stats = peer.stats()
+    resident = stats.pop("resident_bytes")      # (pages: what was written and still held)
+    assert 2 * n <= resident <= 5 * n
     assert stats == {"local_bytes": 2 * n, "replica_bytes": 2 * n, "free_bytes": n, "files": 5,
                      "ranks_local": 1, "ranks_replica": 1}
     assert client.holdings()[7] == {"local": [], "replica": [3, 4], "writing": False}

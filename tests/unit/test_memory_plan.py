@@ -17,6 +17,7 @@ from phalanx.configs.loader import load_config
 from phalanx.runtime.keeper.daemon import Keeper, KeeperClient
 from phalanx.runtime.keeper.memory_plan import (MemoryPlan, MemoryPlanExceeded, check_config_plan,
                                                 job_bytes_held)
+from phalanx.runtime.keeper.shm import reserve_file
 from phalanx.launcher.status import ended_document, protection
 from phalanx.launcher.status_view import protection_line, render_status
 from tests.plugins.small_tmpfs import small_tmpfs
@@ -143,6 +144,9 @@ def test_allow_unprotected_alerts_and_keeps_the_slots_that_fit(tmpfs: str) -> No
         assert [e["event"] for e in events] == ["snapshot_unprotected"]
         assert events[0]["rank"] == 0 and events[0]["plan_bytes"] == 12 * MIB
         assert "degraded protection" in events[0]["reason"]
+        assert job_bytes_held(tmpfs, keeper.job) == 0      # pages come as the worker writes
+        for path in paths:
+            reserve_file(path, MIB)
         assert job_bytes_held(tmpfs, keeper.job) == 3 * MIB
         with pytest.raises(ConfigError) as info:     # slots that do not fit: refused, plain
             keeper.alloc(1, 4 * MIB)
@@ -156,8 +160,10 @@ def test_files_already_held_by_the_job_count_towards_the_plan(tmpfs: str) -> Non
     # 1.8 MiB of the plan is then held: rank 1's first snapshot still fits the plan
     nbytes = 600 << 10
     with _keeper(tmpfs) as keeper:
-        keeper.alloc(0, nbytes)
-        keeper.alloc(1, nbytes)
+        for path in keeper.alloc(0, nbytes):     # written: their pages are held
+            reserve_file(path, nbytes)
+        for path in keeper.alloc(1, nbytes):
+            reserve_file(path, nbytes)
         assert job_bytes_held(tmpfs, keeper.job) == 6 * nbytes
         assert job_bytes_held(tmpfs, keeper.job + "x") == 0
 
