@@ -161,7 +161,7 @@ class JobMetrics:
                                "Bytes of a node's own snapshots not yet replicated (estimate)",
                                ("node",))
         self.shm_held = gauge("phalanx_shm_held_bytes",
-                              "Shared memory a node's keeper holds (own slots and replicas)",
+                              "Shared memory (tmpfs pages) a node's keeper holds: own slots and replicas",
                               ("node",))
         self.persist_seconds = histogram("phalanx_tier_persist_seconds",
                                          "One node's write of one step to a tier", ("tier",),

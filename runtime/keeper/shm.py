@@ -95,9 +95,13 @@ class ShmBuffer:
         """Give the file's memory back (``MADV_REMOVE``: the tmpfs frees its pages; the
         size and every mapping stay, and a read sees zeros). ``reserve`` allocates them
         again before anything writes into it."""
-        if self._mm is not None:
+        if self._mm is None:
+            return
+        try:
             self._mm.madvise(mmap.MADV_REMOVE)
-            self.released = True
+        except OSError as exc:     # a file system that cannot punch holes: the pages stay
+            log.debug("shm.release_unsupported path=%s error=%s", self.path, exc)
+        self.released = True
 
 
     def resident(self) -> int:

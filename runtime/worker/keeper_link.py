@@ -38,6 +38,13 @@ def keeper_address(membership: Membership | None, node: str) -> tuple[str, int] 
         return None
 
 
+def no_room(exc: ConfigError) -> bool:
+    """Whether ``exc`` says the keeper's tmpfs is full right now (a snapshot is skipped and
+    training goes on), not that the job's snapshots can never fit (``MemoryPlanExceeded``,
+    fatal unless ``snapshot.allow_unprotected``)."""
+    return exc.key == "snapshot.shm_dir" and not isinstance(exc, MemoryPlanExceeded)
+
+
 class KeeperLink:
     """Owned by the Session; used from the training thread. Holds the ``KeeperClient`` in
     use (``client``). Once a call finds the keeper unreachable, the link is down: captures
@@ -82,7 +89,7 @@ class KeeperLink:
         except ConfigError as exc:
             # the job's snapshots do not fit and degraded protection was not accepted
             # (snapshot.allow_unprotected): never train on without a safety net unknowingly
-            if exc.key != "snapshot.shm_dir" or isinstance(exc, MemoryPlanExceeded):
+            if not no_room(exc):
                 raise
             self._no_room(snapshotter, step, exc)    # accepted: shared memory is full, train on
             return False

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from phalanx.configs.errors import (LeaseLost, MembershipUnavailable, PeerUnreachable,
-                                    StaleGeneration)
+from phalanx.configs.errors import (ConfigError, LeaseLost, MembershipUnavailable,
+                                    PeerUnreachable, StaleGeneration)
 from phalanx.runtime.base import MemberRecord, per_rank_channel
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.group.default_group import default_group, process_collective
@@ -42,7 +42,7 @@ from phalanx.runtime.worker.activity import Activity
 from phalanx.runtime.worker.data import LoaderPosition
 from phalanx.runtime.worker.heartbeat import Heartbeat
 from phalanx.runtime.worker.member_relay import MemberRelay
-from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address
+from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address, no_room
 from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
 from phalanx.runtime.worker.drill_hooks import (gate_reason, hold_at_gate, raise_on_sigusr1,
@@ -310,6 +310,17 @@ class Session(Rejoining):
             raise RuntimeError("declare() state classes before the first step")
         self._declared.update(kinds)
 
+    def _close_snapshotter(self, snapshotter: Snapshotter) -> None:
+        """Publish the last capture and close; a last snapshot the keeper could not take
+        (it died under the publish, or its tmpfs filled up) is logged, not raised: the
+        training it would have protected is over."""
+        try:
+            snapshotter.close()
+        except (PeerUnreachable, ConfigError) as exc:
+            if isinstance(exc, ConfigError) and not no_room(exc):
+                raise
+            log.warning("event=last_snapshot_lost rank=%d error=%s", self.rank, exc)
+
     def _capture_per_rank(self) -> None:
         """Every step, when some state is replicated: the per-rank state alone (kilobytes)
         into the rank's per-rank channel of its keeper, what a heal restores it from."""
@@ -372,19 +383,13 @@ class Session(Rejoining):
             _final["state_digest"] = state_digest(self._objects)
         self._grad_guard.disarm()
         if self._snapshotter is not None:
-            try:
-                self._snapshotter.close()
-            except PeerUnreachable as exc:     # the keeper died under the last publish
-                log.warning("event=last_snapshot_lost rank=%d error=%s", self.rank, exc)
+            self._close_snapshotter(self._snapshotter)
             self._snapshotter = None
         if self._keeper is not None:
             self._keeper.close()
             self._keeper = None
         if self._rank_snapshotter is not None:
-            try:
-                self._rank_snapshotter.close()
-            except PeerUnreachable as exc:
-                log.warning("event=last_snapshot_lost rank=%d error=%s", self.rank, exc)
+            self._close_snapshotter(self._rank_snapshotter)
             self._rank_snapshotter = None
         if self._rank_keeper is not None:
             self._rank_keeper.close()
