@@ -427,7 +427,6 @@ class Keeper:
         if self._closed:
             buf.close()
             return
-        buf.idle_since = time.monotonic()
         self._free.append(buf)
         self._trim_free()
 
@@ -601,7 +600,7 @@ class Keeper:
                     held.state, held.step, held.manifest, held.used = "empty", -1, b"", 0
             for held in table.slots:
                 if held.state == "empty" and held.pins == 0:
-                    self._release_if_idle(held.buf, now)
+                    held.buf.release_if_idle(now, RELEASE_AFTER_S)
         for rank, lst in self._replicas.items():
             if is_channel(rank):
                 continue
@@ -610,18 +609,9 @@ class Keeper:
                 lst.remove(held)
                 self._evict(held)
         for buf in self._free:
-            self._release_if_idle(buf, now)
+            buf.release_if_idle(now, RELEASE_AFTER_S)
         if forgot:
             log.debug("keeper.forgot node=%s floor=%d steps=%s", self.node, floor, forgot)
-
-    @staticmethod
-    def _release_if_idle(buf: ShmBuffer, now: float) -> None:
-        if buf.released:
-            return
-        if buf.idle_since is None:
-            buf.idle_since = now
-        elif now - buf.idle_since >= RELEASE_AFTER_S:
-            buf.release_pages()
 
     def retarget(self, local_ranks: Iterable[int], replica_ranks: Iterable[int]) -> None:
         """A new generation's placement (the launcher's thread, through the keeper actor):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from phalanx.configs.errors import ConfigError
 from phalanx.configs.schema import PhalanxConfig
-from phalanx.runtime.keeper.shm import _gib, capacity_shortfall, memory_plan
+from phalanx.runtime.keeper.shm import _gib, allocated_bytes, capacity_shortfall, memory_plan
 from phalanx.runtime.transport.frames import register_remote_error
 
 KEY = "snapshot.shm_dir"
@@ -78,10 +78,7 @@ def job_bytes_held(shm_dir: str, job: str) -> int:
         return 0
     for name in names:
         if name.startswith(prefix) and _JOB_FILE_RE.match(name[len(prefix):]):
-            try:
-                held += os.stat(os.path.join(shm_dir, name)).st_blocks * 512
-            except FileNotFoundError:   # unlinked as we looked
-                continue
+            held += allocated_bytes(os.path.join(shm_dir, name))   # (0: unlinked as we looked)
     return held
 
 

@@ -66,6 +66,16 @@ class ShmBuffer:
         """It holds (or is about to hold) a step: its pages stay."""
         self.idle_since, self.released = None, False
 
+    def release_if_idle(self, now: float, after_s: float) -> None:
+        """It holds nothing: note since when, and give its pages back once that lasted
+        ``after_s``."""
+        if self.released:
+            return
+        if self.idle_since is None:
+            self.idle_since = now
+        elif now - self.idle_since >= after_s:
+            self.release_pages()
+
     @classmethod
     def create(cls, path: str, nbytes: int, *, allocate: bool = True) -> "ShmBuffer":
         """Create ``path`` of ``nbytes``, allocate every page now (unless not ``allocate``:
@@ -103,13 +113,9 @@ class ShmBuffer:
             log.debug("shm.release_unsupported path=%s error=%s", self.path, exc)
         self.released = True
 
-
     def resident(self) -> int:
         """Bytes of the file the tmpfs holds pages for (0 once it is gone)."""
-        try:
-            return os.stat(self.path).st_blocks * 512
-        except FileNotFoundError:
-            return 0
+        return allocated_bytes(self.path)
 
     def reserve(self) -> None:
         """Allocate every page again after ``release_pages`` (``reserve_file``)."""
@@ -208,10 +214,19 @@ def pick_slot(table: RankSlots, protect_step: int | None, *,
     return min(choices)[2] if choices else None
 
 
+def allocated_bytes(path: str) -> int:
+    """Bytes of ``path`` its file system holds blocks for (0 once it is gone)."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
 def reserve_file(path: str, nbytes: int) -> None:
-    """Allocate the pages of ``path``'s first ``nbytes`` that a keeper released (a no-op
-    when none was): a full tmpfs is then this ConfigError(snapshot.shm_dir), not a SIGBUS
-    in whichever process writes into the mapping."""
+    """Allocate the pages of ``path``'s first ``nbytes`` not allocated yet (a slot not
+    written before, or one whose pages a keeper gave back; a no-op otherwise): a full tmpfs
+    is then this ConfigError(snapshot.shm_dir), not a SIGBUS in whichever process writes
+    into the mapping."""
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
         if os.fstat(fd).st_blocks * 512 < nbytes:

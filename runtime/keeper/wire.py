@@ -18,8 +18,6 @@ from phalanx.runtime.transport.tcp import DEFAULT_TIMEOUT_S, FrameClient, Reply,
 
 log = logging.getLogger(__name__)
 MAX_MANIFEST_BYTES = 64 << 20
-# A keeper allocates (fallocate) a slot file at >= ~0.2 GB/s on a loaded 2-core machine.
-_ALLOC_BYTES_PER_S = 100e6
 
 
 @register_remote_error
@@ -232,12 +230,12 @@ class KeeperClient:
         return self._call({"op": "ping"})
 
     def alloc(self, rank: int, nbytes: int, *, releasable: bool = True) -> list[str]:
-        """Paths of the rank's slot files (created, sized and pre-touched by the keeper).
-        ``releasable=False``: this writer pins its maps (CUDA), so the keeper keeps their
-        pages even when they hold nothing worth keeping."""
-        wait = self._timeout_s + 4 * nbytes / _ALLOC_BYTES_PER_S
+        """Paths of the rank's slot files (created and sized by the keeper; the writer
+        allocates a slot's pages as it writes it, ``reserve_file``). ``releasable=False``:
+        this writer pins its maps (CUDA), so the keeper keeps their pages even when they
+        hold nothing worth keeping."""
         reply = self._call({"op": "alloc", "rank": rank, "size": nbytes,
-                            "releasable": releasable}, reply_timeout_s=wait)
+                            "releasable": releasable})
         return reply["paths"]
 
     def claim(self, rank: int, protect_step: int | None = None) -> tuple[int, str]:
