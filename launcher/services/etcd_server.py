@@ -278,7 +278,11 @@ class EmbeddedEtcd:
                 f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
                 f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
                 f"--initial-cluster=phalanx={peer}", "--initial-cluster-state=new",
-                "--heartbeat-interval=10", "--election-timeout=100",
+                # a raft tick every 100 ms (etcd's default): at 10 ms the idle server woke
+                # 583 times a second against 151, each wake-up pre-empting a training
+                # thread on a small host (it starts healthy in 0.2-0.3 s either way: a
+                # single member fast-forwards its election ticks at boot)
+                "--heartbeat-interval=100", "--election-timeout=500",
                 # keep five minutes of history: without compaction every heartbeat's
                 # ~0.8 KB stays, and the 2 GiB quota fills in ~28 h at world 8 and in 7 min
                 # at 10,000 ranks (one heartbeat per node; bench/scale_sim.py), where five

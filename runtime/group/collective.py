@@ -50,6 +50,19 @@ class Collective:
         # a Session is attached: failed collectives complete as no-ops, the step rolls back
         self.absorb_faults = False
         self.superseded: Callable[[], bool] = lambda: False
+        self._announced: list[Callable[[], None]] = []
+
+    def on_announced(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever a generation is announced (``generation_announced``):
+        the default group completes the collectives a superseded generation still waits
+        on, with no thread polling ``superseded`` while they run."""
+        self._announced.append(listener)
+
+    def generation_announced(self) -> None:
+        """A newer generation may have been announced (the Session's generation watcher
+        calls this from its watch thread): ``superseded`` says whether it was."""
+        for listener in list(self._announced):
+            listener()
 
     @property
     def rank(self) -> int:

@@ -26,7 +26,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 from typing import Any, Callable
 
 import torch
@@ -40,7 +39,6 @@ from phalanx.runtime.group.process_group import connect_store
 
 log = logging.getLogger(__name__)
 BACKEND = "phalanx"
-_ABORT_POLL_S = 0.005
 # ProcessGroup collectives the group forwards, with the argument a no-op completion
 # returns (the tensors a caller reads back: DDP reads an all-reduce's result list)
 _OPS: dict[str, int] = {
@@ -118,7 +116,7 @@ class DefaultGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future, Any, int]] = {}   # future, no-op, generation
         self._tokens = itertools.count()
-        self._monitor: threading.Thread | None = None
+        collective.on_announced(self._abort_if_superseded)
 
     def getBackendName(self) -> str:  # noqa: N802  (torch's name)
         # not "gloo": DDP's logger would look up a C++ gloo backend inside this group
@@ -172,8 +170,8 @@ class DefaultGroup(dist.ProcessGroup):
         with self._lock:
             self._pending[token] = (future, noop, collective.generation)
         _future_of(work).then(functools.partial(self._settle, token, name))
-        if collective.absorb_faults:
-            self._watch()
+        if collective.absorb_faults:    # announced before this call was pending
+            self._abort_if_superseded()
         return _FutureWork(future)
 
     def _refused(self, name: str, noop: Any, reason: str) -> dist.Work:
@@ -201,34 +199,22 @@ class DefaultGroup(dist.ProcessGroup):
             return
         future.set_result(value)
 
-    def _watch(self) -> None:
+    def _abort_if_superseded(self) -> None:
         """Complete every pending collective as a no-op once a newer generation is
-        announced (a hung peer never fails the call itself); one thread, only while
-        collectives are pending."""
-        with self._lock:
-            if self._monitor is not None and self._monitor.is_alive():
-                return
-            self._monitor = threading.Thread(target=self._abort_when_superseded,
-                                             name="phalanx-default-group", daemon=True)
-            self._monitor.start()
-
-    def _abort_when_superseded(self) -> None:
+        announced (a hung peer never fails the call itself): called by the collective when
+        a generation is announced and after each call starts, so an announcement that
+        came first is not missed."""
         collective = self._collective
-        while True:
-            with self._lock:
-                if not self._pending:
-                    self._monitor = None
-                    return
-                superseded = collective.superseded()
-                aborted = [(f, n) for f, n, _ in self._pending.values()] if superseded else []
-                if superseded:
-                    self._pending.clear()
-            if superseded:
-                collective.mark_fault("a newer generation began while a collective waited")
-                for future, noop in aborted:
-                    future.set_result(noop)
-                continue
-            time.sleep(_ABORT_POLL_S)
+        if not collective.absorb_faults or not collective.superseded():
+            return
+        with self._lock:
+            aborted = [(f, n) for f, n, _ in self._pending.values()]
+            self._pending.clear()
+        if not aborted:
+            return
+        collective.mark_fault("a newer generation began while a collective waited")
+        for future, noop in aborted:
+            future.set_result(noop)
 
 
 def _forwarder(name: str, noop_at: int, exposed: str = "") -> Callable[..., dist.Work]:

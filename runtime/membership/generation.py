@@ -109,6 +109,11 @@ class GenerationWatcher:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._cancel: Callable[[], None] | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (on the watch thread) each time a newer generation is seen."""
+        self._listeners.append(listener)
 
     def start(self) -> "GenerationWatcher":
         self._cancel = self._membership.watch_prefix(GENERATION_KEY, self._on_event)
@@ -135,9 +140,12 @@ class GenerationWatcher:
 
     def _set(self, value: int) -> None:
         with self._changed:
-            if value > self._latest:
-                self._latest = value
-                self._changed.notify_all()
+            if value <= self._latest:
+                return
+            self._latest = value
+            self._changed.notify_all()
+        for listener in list(self._listeners):
+            listener()
 
     def wait_plan(self, after: int, timeout_s: float, poll_s: float = 0.02) -> GenerationPlan:
         """The plan of the newest generation above ``after``; raises ``PlanTimeout``."""

@@ -239,6 +239,8 @@ class Session(Rejoining):
         collective.superseded = lambda: watcher is not None and watcher.newer_than(
             self.generation)
         collective.absorb_faults = watcher is not None
+        if watcher is not None:
+            watcher.subscribe(collective.generation_announced)
         group = default_group()
         if group is not None:
             group.started()

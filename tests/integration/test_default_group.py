@@ -74,6 +74,7 @@ def _hung_peer(rank: Rank) -> str | None:
     time.sleep(0.3)
     assert not work.is_completed()
     newer.set()                                 # the coordinator announced generation 1
+    collective.generation_announced()           # (the Session's watcher calls this)
     assert work.get_future().wait() == [tensor]
     assert tensor.tolist() == [5.0]             # untouched: the step is rolled back
     # later collectives of the faulted generation complete at once, never reaching gloo
