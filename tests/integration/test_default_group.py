@@ -91,6 +91,28 @@ def test_a_collective_waiting_on_a_hung_peer_completes_as_a_no_op_on_a_newer_gen
     assert fault is not None and "newer generation" in fault
 
 
+def _announced_before_the_call(rank: Rank) -> str | None:
+    collective, group = formed(rank)
+    store = rank.connect()
+    if rank.rank == 1:                  # joins no call: the generation moved on without it
+        rank.await_signal("rank0-done", store)
+        return None
+    collective.absorb_faults = True
+    collective.superseded = lambda: True   # announced before the call, no announcement after
+    tensor = torch.tensor([5.0])
+    work = group.allreduce([tensor])
+    assert work.is_completed() and tensor.tolist() == [5.0]
+    rank.signal("rank0-done", store)
+    rank.keep(collective, group, work)
+    return collective.fault
+
+
+@pytest.mark.timeout(90)
+def test_a_collective_started_after_a_newer_generation_was_announced_completes_at_once() -> None:
+    fault, _ = on_ranks(_announced_before_the_call)
+    assert fault is not None and "newer generation" in fault
+
+
 def _failed_without_session(rank: Rank) -> str:
     collective, group = formed(rank)
     store = rank.connect()
