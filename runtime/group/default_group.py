@@ -170,8 +170,7 @@ class DefaultGroup(dist.ProcessGroup):
         with self._lock:
             self._pending[token] = (future, noop, collective.generation)
         _future_of(work).then(functools.partial(self._settle, token, name))
-        if collective.absorb_faults:    # announced before this call was pending
-            self._abort_if_superseded()
+        self._abort_if_superseded()     # announced before this call was pending
         return _FutureWork(future)
 
     def _refused(self, name: str, noop: Any, reason: str) -> dist.Work:

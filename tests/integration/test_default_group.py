@@ -1,9 +1,9 @@
 """The default group over real gloo groups on a real TCPStore (two ranks, each in its own
 process: tests/integration/two_ranks.py): collectives forwarded to the generation's group,
 re-formed in place (the same object keeps working in the next generation), a collective
-stuck on a hung peer completed as a no-op the moment a newer generation is announced, a
-failure raised when no Session absorbs it, and a joining rank's set-up collectives answered
-locally."""
+stuck on a hung peer completed as a no-op the moment a newer generation is announced (at
+once when it was announced first), a failure raised when no Session absorbs it, and a
+joining rank's set-up collectives answered locally."""
 from __future__ import annotations
 
 import threading
@@ -60,7 +60,7 @@ def test_collectives_run_on_each_generation_through_the_same_group_object() -> N
     assert all(s["generation"] == 1 and s["fault"] is None for s in seen)
 
 
-def _hung_peer(rank: Rank) -> str | None:
+def _hung_peer(rank: Rank, announced_first: bool) -> str | None:
     collective, group = formed(rank)
     store = rank.connect()
     if rank.rank == 1:                  # "hangs": joins no call until rank 0 is done
@@ -70,12 +70,16 @@ def _hung_peer(rank: Rank) -> str | None:
     collective.absorb_faults = True
     collective.superseded = newer.is_set
     tensor = torch.tensor([5.0])
-    work = group.allreduce([tensor])
-    time.sleep(0.3)
-    assert not work.is_completed()
-    newer.set()                                 # the coordinator announced generation 1
-    collective.generation_announced()           # (the Session's watcher calls this)
-    assert work.get_future().wait() == [tensor]
+    if announced_first:                 # announced before the call, nothing announced after
+        newer.set()
+        work = group.allreduce([tensor])
+    else:
+        work = group.allreduce([tensor])
+        time.sleep(0.3)
+        assert not work.is_completed()
+        newer.set()                             # the coordinator announced generation 1
+        collective.generation_announced()       # (the Session's watcher calls this)
+    assert work.is_completed() and work.get_future().wait() == [tensor]
     assert tensor.tolist() == [5.0]             # untouched: the step is rolled back
     # later collectives of the faulted generation complete at once, never reaching gloo
     again = torch.tensor([1.0])
@@ -87,29 +91,13 @@ def _hung_peer(rank: Rank) -> str | None:
 
 @pytest.mark.timeout(90)
 def test_a_collective_waiting_on_a_hung_peer_completes_as_a_no_op_on_a_newer_generation() -> None:
-    fault, _ = on_ranks(_hung_peer)
+    fault, _ = on_ranks(_hung_peer, False)
     assert fault is not None and "newer generation" in fault
-
-
-def _announced_before_the_call(rank: Rank) -> str | None:
-    collective, group = formed(rank)
-    store = rank.connect()
-    if rank.rank == 1:                  # joins no call: the generation moved on without it
-        rank.await_signal("rank0-done", store)
-        return None
-    collective.absorb_faults = True
-    collective.superseded = lambda: True   # announced before the call, no announcement after
-    tensor = torch.tensor([5.0])
-    work = group.allreduce([tensor])
-    assert work.is_completed() and tensor.tolist() == [5.0]
-    rank.signal("rank0-done", store)
-    rank.keep(collective, group, work)
-    return collective.fault
 
 
 @pytest.mark.timeout(90)
 def test_a_collective_started_after_a_newer_generation_was_announced_completes_at_once() -> None:
-    fault, _ = on_ranks(_announced_before_the_call)
+    fault, _ = on_ranks(_hung_peer, True)
     assert fault is not None and "newer generation" in fault
 
 
