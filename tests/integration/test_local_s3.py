@@ -108,16 +108,19 @@ def test_persistence_rides_out_an_s3_outage_and_resumes(local_s3: LocalS3, monke
 @pytest.mark.timeout(120)
 def test_a_write_failed_in_an_outage_is_retried_after_it(local_s3: LocalS3,
                                                          monkeypatch) -> None:
-    """The S3 tier's own retries give up within a second; the persister then tries the
-    same step again (backing off) while the keeper holds it, so a step whose write
-    started during a 1.5 s outage is still persisted and committed after it."""
+    """The S3 tier's own retries give up within 0.2 s (their jittered backoff, left at
+    the default, sometimes bridged the whole outage); the persister then tries the same
+    step again (backing off) while the keeper holds it, so a step whose write started
+    during a 1.5 s outage is still persisted and committed after it."""
     set_dummy_credentials(monkeypatch)
     s3 = S3TierConfig(enabled=True, bucket=local_s3.bucket, endpoint_url=local_s3.endpoint_url)
     cfg = PhalanxConfig(job=JobConfig(entrypoint="x.py:main"), tiers=TiersConfig(s3=s3))
     proxied, services = prepare_job(cfg, {"s3_outage"})
     proxy = services["s3_proxy"]
     job = f"s3short{os.getpid()}-{next(_names)}"
-    node = Node("n0", job, [0], [(S3Tier(proxied.tiers.s3, job), 1, 2)], world=[0])
+    tier = S3Tier(proxied.tiers.s3, job, max_attempts=2, botocore_max_attempts=1,
+                  backoff_base_s=0.05, backoff_cap_s=0.2, connect_timeout_s=2.0)
+    node = Node("n0", job, [0], [(tier, 1, 2)], world=[0])
     try:
         node.publish(1)
         _wait(lambda: node.persister.last_committed().get("s3") == 1, "step 1 committed")
