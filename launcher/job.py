@@ -87,6 +87,9 @@ STARTUP_ATTEMPTS = 3
 # a node report (its ranks' records, rewritten every heartbeat) standing still this many
 # heartbeats is not current: its ranks are not judged stalled on it
 REPORT_STALE_BEATS = 3
+# a finished job waits this long for its keepers' last tier markers (a keeper's persister
+# joins within 30 s, after up to 5 s waiting for other nodes' files)
+KEEPER_TIERS_SETTLE_S = 35.0
 NODE_LOSS_KINDS = (FaultKind.WORKER_DIED, FaultKind.NODE_DIED, FaultKind.KEEPER_DIED,
                    FaultKind.LEASE_LOST, FaultKind.COLLECTIVE_ERROR)
 
@@ -584,12 +587,24 @@ class JobRunner:
                                      f"{cfg.job.timeout_s}")
             if cfg.snapshot.enabled and (cfg.tiers.disk.enabled or cfg.tiers.s3.enabled):
                 commits.settle(3 * cfg.etcd.heartbeat_s)   # the tiers commit the last step
+                self._settle_keeper_tiers(coordinator.live_nodes)
         finally:
             if injector is not None:
                 injector.close()
             view.close()
             keeper_events.drain(coordinator.live_nodes, KEEPER_EVENTS_FINAL_WAIT_S)
         return {rank: results[rank] for rank in sorted(results)}
+
+    def _settle_keeper_tiers(self, live: set[int]) -> None:
+        """A finished job's live keepers write their last tier markers and stop persisting,
+        so the final drain of keeper events sees them (bounded: a keeper's close would
+        wait as long for its persister)."""
+        refs = [self.keepers[node][0].settle_tiers.remote() for node in sorted(live)
+                if node in self.keepers]
+        try:
+            ray.get(refs, timeout=KEEPER_TIERS_SETTLE_S)
+        except ray.exceptions.RayError as exc:   # timed out, or a keeper died as it ended
+            log.warning("event=keeper_tiers_settle_failed error=%s", str(exc)[:300])
 
     def _node_watch(self, coordinator: RecoveryCoordinator) -> NodeWatch | None:
         """Watch every keeper's connection, so a lost node is noticed in milliseconds."""

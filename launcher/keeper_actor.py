@@ -160,6 +160,14 @@ class KeeperActor:
     def read_run_file(self, relative: str, offset: int, limit: int) -> bytes:
         return read_run_file(self._run_dir, relative, offset, limit)
 
+    def settle_tiers(self) -> None:
+        """At a finished job's end, before its last events are drained: the persister writes
+        the markers the final commit point allows (waiting up to ``PERSIST_SETTLE_S`` for
+        other nodes) and stops, so their tier events reach the job's event log (written at
+        ``close``, after the log was closed, they were lost)."""
+        if self._persister is not None:
+            self._persister.close()
+
     def events(self) -> list[dict[str, Any]]:
         """Tier and replication events since the last call (drained)."""
         with self._lock:
