@@ -35,6 +35,7 @@ from phalanx.launcher.preflight import check_before_start
 from phalanx.launcher.goodput import goodput_from_events
 from phalanx.launcher.metrics import JobMetrics
 from phalanx.launcher.coordination.keeper_restart import KeeperRestarts, start_keeper_actor
+from phalanx.launcher.keeper_actor import SETTLE_TIERS_S
 from phalanx.launcher.coordination.monitor import Monitor, PollResult
 from phalanx.launcher.coordination.node_watch import NodeWatch
 from phalanx.launcher.progress import ProgressView
@@ -87,9 +88,6 @@ STARTUP_ATTEMPTS = 3
 # a node report (its ranks' records, rewritten every heartbeat) standing still this many
 # heartbeats is not current: its ranks are not judged stalled on it
 REPORT_STALE_BEATS = 3
-# a finished job waits this long for its keepers' last tier markers (a keeper's persister
-# joins within 30 s, after up to 5 s waiting for other nodes' files)
-KEEPER_TIERS_SETTLE_S = 35.0
 NODE_LOSS_KINDS = (FaultKind.WORKER_DIED, FaultKind.NODE_DIED, FaultKind.KEEPER_DIED,
                    FaultKind.LEASE_LOST, FaultKind.COLLECTIVE_ERROR)
 
@@ -602,7 +600,7 @@ class JobRunner:
         refs = [self.keepers[node][0].settle_tiers.remote() for node in sorted(live)
                 if node in self.keepers]
         try:
-            ray.get(refs, timeout=KEEPER_TIERS_SETTLE_S)
+            ray.get(refs, timeout=SETTLE_TIERS_S)
         except ray.exceptions.RayError as exc:   # timed out, or a keeper died as it ended
             log.warning("event=keeper_tiers_settle_failed error=%s", str(exc)[:300])
 

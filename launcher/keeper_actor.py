@@ -25,13 +25,15 @@ from phalanx.runtime.keeper.reporter import (KeeperReporter, keeper_member, read
                                              report_from_keeper)
 from phalanx.runtime.membership.etcd import (EtcdMembership, client_fields, client_options,
                                              job_prefix)
-from phalanx.runtime.tiers.persister import TierPersister
+from phalanx.runtime.tiers.persister import JOIN_TIMEOUT_S, TierPersister
 from phalanx.runtime.replication.pusher import Replicator
 from phalanx.runtime.tiers.config import tier_specs
 
 log = logging.getLogger(__name__)
 EVENTS_KEPT = 200
 PERSIST_SETTLE_S = 5.0   # at close, how long a marker the final commit point allows waits for other nodes
+# the longest settle_tiers() takes: the settle above, then the persister's thread joined
+SETTLE_TIERS_S = PERSIST_SETTLE_S + JOIN_TIMEOUT_S
 
 
 def keeper_bind_host(configured: str) -> str:

@@ -46,6 +46,7 @@ from phalanx.runtime.tiers.slot_copy import Preempted, close_quietly, copy_unles
 from phalanx.runtime.snapshot.format import verify_snapshot
 
 log = logging.getLogger(__name__)
+JOIN_TIMEOUT_S = 30.0     # how long close() waits for the persister's thread
 
 __all__ = ["TierPersister", "TierSpec", "payload_size", "pick_step"]
 _MAX_BACKOFF_DOUBLINGS = 4  # commit retries wait at most 16 x commit_retry_s
@@ -108,7 +109,7 @@ class TierPersister:
                  world_ranks: Sequence[int], local_ranks: Sequence[int], *,
                  poll_s: float = 0.1, on_event: Callable[[dict], None] | None = None,
                  commit_retry_s: float = 1.0, commit_wait_s: float = 600.0,
-                 join_timeout_s: float = 30.0,
+                 join_timeout_s: float = JOIN_TIMEOUT_S,
                  wall_clock: Callable[[], float] = time.time,
                  may_write: Callable[[], bool] | None = None,
                  committed: Callable[[], int] | None = None,
@@ -182,6 +183,7 @@ class TierPersister:
         if thread is None or thread is threading.current_thread():
             return
         thread.join(self._join_timeout_s)
+        self._thread = None     # a second close (the keeper's, after settle_tiers) is a no-op
         if thread.is_alive():
             log.warning("persister.close_timeout node=%s timeout_s=%.1f", self._keeper.node,
                         self._join_timeout_s)

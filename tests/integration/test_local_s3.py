@@ -70,6 +70,13 @@ def test_local_s3_serves_a_bucket_and_stops(monkeypatch) -> None:
                                  timeout=5)
 
 
+def fast_failing_tier(cfg: S3TierConfig, job: str) -> S3Tier:
+    """An S3 tier whose own retries give up within 0.2 s, so an outage outlasts them by
+    construction (the job's tier, at its defaults, retries for 0.85-1.6 s)."""
+    return S3Tier(cfg, job, max_attempts=2, botocore_max_attempts=1, backoff_base_s=0.05,
+                  backoff_cap_s=0.2, connect_timeout_s=2.0)
+
+
 @pytest.mark.timeout(120)
 def test_persistence_rides_out_an_s3_outage_and_resumes(local_s3: LocalS3, monkeypatch) -> None:
     set_dummy_credentials(monkeypatch)
@@ -79,9 +86,7 @@ def test_persistence_rides_out_an_s3_outage_and_resumes(local_s3: LocalS3, monke
     proxied, services = prepare_job(cfg, {"s3_outage"})
     proxy = services["s3_proxy"]
     job = f"s3out{os.getpid()}-{next(_names)}"
-    # fast-failing retries so the outage outlasts them (the job's tier retries for longer)
-    tier = S3Tier(proxied.tiers.s3, job, max_attempts=2, botocore_max_attempts=1,
-                  backoff_base_s=0.05, backoff_cap_s=0.2, connect_timeout_s=2.0)
+    tier = fast_failing_tier(proxied.tiers.s3, job)
     node = Node("n0", job, [0], [(tier, 1, 2)], world=[0])
     try:
         node.publish(1)
@@ -118,8 +123,7 @@ def test_a_write_failed_in_an_outage_is_retried_after_it(local_s3: LocalS3,
     proxied, services = prepare_job(cfg, {"s3_outage"})
     proxy = services["s3_proxy"]
     job = f"s3short{os.getpid()}-{next(_names)}"
-    tier = S3Tier(proxied.tiers.s3, job, max_attempts=2, botocore_max_attempts=1,
-                  backoff_base_s=0.05, backoff_cap_s=0.2, connect_timeout_s=2.0)
+    tier = fast_failing_tier(proxied.tiers.s3, job)
     node = Node("n0", job, [0], [(tier, 1, 2)], world=[0])
     try:
         node.publish(1)
