@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from phalanx.configs.errors import PhalanxError
 from phalanx.launcher.goodput import goodput_from_events
+from phalanx.runtime.base import FINISHED_PREFIX
 from phalanx.runtime.tiers.disk import atomic_write
 
 if TYPE_CHECKING:
@@ -82,8 +83,6 @@ def record_run_end(run_dir: Path, outcome: str, coordinator: "RecoveryCoordinato
 
 def _final_step(coordinator: "RecoveryCoordinator") -> int | None:
     """The step the ranks ended at: what each finished worker left under ``finished/``."""
-    from phalanx.runtime.worker.session import FINISHED_PREFIX  # torch: the launcher has it
-
     try:
         steps = [int(kv.value) for kv in coordinator.membership.list_prefix(FINISHED_PREFIX)]
     except (PhalanxError, ValueError) as exc:

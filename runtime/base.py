@@ -126,6 +126,8 @@ def source_from_json(doc: dict[str, Any]) -> RestoreSource:
 
 
 NODE_PREFIX = "node"
+# a finished worker's last step, under its worker id (written by its session, read by the launcher)
+FINISHED_PREFIX = "finished/"
 
 
 def node_name(index: int) -> NodeId:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import ray  # the package __init__ set Ray's environment before this import
-from ray._private import ray_constants
+from ray._private import ray_constants, services as ray_services
 from ray.cluster_utils import Cluster
 
 from phalanx.configs.errors import ServiceStartError
@@ -27,12 +27,41 @@ NODE_RESOURCE = "phalanx_node_{}"
 NODE_RESOURCE_UNITS = 1000
 START_ATTEMPTS = 3
 PROBE_CHECK_S = 1.0     # how often a start-up probe looks for a dead raylet
+REGISTERED_POLL_S = 0.02   # how often a starting raylet's record is looked for in the GCS
+REGISTERED_WAIT_S = 30.0   # then Ray's own lookup decides (its raylet_start_wait_time_s)
 
 
 @ray.remote(num_cpus=0, max_retries=0, max_calls=1)
 def _probe() -> int:
     """A node's first worker process: its pid (``LocalRay._probe_nodes``)."""
     return os.getpid()
+
+
+@contextlib.contextmanager
+def _registration_polled() -> Any:
+    """While virtual nodes start: Ray's ``Node`` start asks the GCS for the new raylet's
+    record (``services.get_node``), and Ray 2.60's lookup sleeps one whole second after a
+    miss. Its first look comes 0.1 s after the raylet was spawned, before the raylet
+    registered, so every virtual node took 1.1 s to start where it registers in about
+    0.5 s. Here the driver's own GCS connection (``ray.nodes()``) is polled every
+    ``REGISTERED_POLL_S`` first, and Ray's lookup then finds the record at once. The
+    head's lookup (before the driver connects) is Ray's own: a fresh GCS client polling
+    the head's GCS as it starts left Ray's next lookup hung for its 60 s deadline in 2 of
+    13 launches."""
+    original = ray_services.get_node
+
+    def get_node(gcs_address: str, node_id: str) -> Any:
+        deadline = time.monotonic() + REGISTERED_WAIT_S
+        while ray.is_initialized() and time.monotonic() < deadline \
+                and node_id not in {node["NodeID"] for node in ray.nodes()}:
+            time.sleep(REGISTERED_POLL_S)
+        return original(gcs_address, node_id)    # Ray's own errors past the deadline
+
+    ray_services.get_node = get_node
+    try:
+        yield
+    finally:
+        ray_services.get_node = original
 
 
 def ray_address_dir() -> Path:
@@ -146,26 +175,31 @@ class LocalRay:
         ray_address_dir().mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         try:
-            self._cluster = Cluster(initialize_head=True, connect=False,
-                                    head_node_args=self._head_args())
-            # connect while the head is the only raylet on 127.0.0.1, so the driver attaches
-            # to it and not to whichever virtual node answers first
-            ray.init(address=self._cluster.address, log_to_driver=self._log_to_driver,
-                     namespace=self._namespace,
-                     _node_ip_address="127.0.0.1", logging_level=logging.WARNING,
-                     configure_logging=False, include_dashboard=False)
-            for index in range(self._cfg.virtual_nodes):
-                # one raylet at a time: each starts its own agents, and starting them all at
-                # once on a 2-core machine can starve the GCS past Ray's start-up deadlines
-                self._nodes[index] = self._cluster.add_node(wait=True, **self._node_args(index))
-            self._cluster.wait_for_nodes(timeout=60)
+            with _registration_polled():
+                self._start_raylets()
             self._probe_nodes()
         except Exception as exc:  # process boundary: any Ray failure becomes one typed error
             self.close()
             raise ServiceStartError(f"local Ray did not start: {exc}") from exc
         log.info("event=ray_started nodes=%d seconds=%.2f address=%s", self._cfg.virtual_nodes,
-                 time.monotonic() - started, self._cluster.address)
+                 time.monotonic() - started, self.address)
         return self
+
+    def _start_raylets(self) -> None:
+        """The head (and the driver's connection to it), then each virtual node."""
+        self._cluster = Cluster(initialize_head=True, connect=False,
+                                head_node_args=self._head_args())
+        # connect while the head is the only raylet on 127.0.0.1, so the driver attaches
+        # to it and not to whichever virtual node answers first
+        ray.init(address=self._cluster.address, log_to_driver=self._log_to_driver,
+                 namespace=self._namespace,
+                 _node_ip_address="127.0.0.1", logging_level=logging.WARNING,
+                 configure_logging=False, include_dashboard=False)
+        for index in range(self._cfg.virtual_nodes):
+            # one raylet at a time: each starts its own agents, and starting them all at
+            # once on a 2-core machine can starve the GCS past Ray's start-up deadlines
+            self._nodes[index] = self._cluster.add_node(wait=True, **self._node_args(index))
+        self._cluster.wait_for_nodes(timeout=60)
 
     def _probe_nodes(self, timeout_s: float = 60.0) -> None:
         """Start one worker process on every virtual node before the job does. A raylet

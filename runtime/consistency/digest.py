@@ -32,8 +32,7 @@ import json
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Iterable, Literal, Mapping, Sequence
 
-from phalanx.runtime.snapshot.dtensor import TAG as DTENSOR
-from phalanx.runtime.snapshot.state_tree import escape_segment
+from phalanx.runtime.snapshot.spec_names import DTENSOR_TAG as DTENSOR, escape_segment
 
 REPLICAS_EXTRA = "replicas"      # the member record's ``extra`` key the session fills
 CHUNK_BITS = 20

@@ -60,6 +60,9 @@ class KeeperReporter:
 
     def close(self) -> None:
         self._stop.set()
+        if self._members is not None:
+            self._members.urgent.set()   # its thread waits on this one: wake it now, not
+            # at the next heartbeat (each keeper's close waited up to heartbeat_s for it)
         if self._thread is not None:
             self._thread.join(timeout=self._heartbeat_s * 4 + 1)
             self._thread = None

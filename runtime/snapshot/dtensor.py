@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 import torch
 
 from phalanx.configs.errors import PlacementUnsupported, ReshardUnsupported
+from phalanx.runtime.snapshot.spec_names import DTENSOR_TAG
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
 
-TAG = "dtensor"
+TAG = DTENSOR_TAG
 _MODULE = "torch.distributed.tensor"    # imported lazily: ~0.6 s, only by jobs that use it
 _FIX = ("restore onto the same world size and mesh shape, or save a DCP checkpoint "
         "(torch.distributed.checkpoint) and load it into the new mesh to reshard")

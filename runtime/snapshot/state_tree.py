@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import struct
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Sequence
@@ -17,6 +16,7 @@ import torch
 
 from phalanx.configs.errors import SnapshotCorrupt
 from phalanx.runtime.snapshot import dtensor
+from phalanx.runtime.snapshot.spec_names import escape_segment
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SPEC_VERSION = 1
-_INT_LIKE = re.compile(r"-?[0-9]+")
 
 # Tree spec grammar (one JSON value per node; order of dict items is kept):
 #   str | int | finite float | bool | null      the value itself (JSON keeps 1 vs 1.0)
@@ -41,15 +40,6 @@ _INT_LIKE = re.compile(r"-?[0-9]+")
 #                                               shard; placement metadata: dtensor.py
 # Whole spec: {"version":1,"objects":{name:{"kind":"state_dict"|"generator"|"value",
 #                                           "tree":node}}}
-
-
-def escape_segment(key: str | int) -> str:
-    """One path segment: ints print as decimal; strs escape ``~``→``~0``, ``/``→``~1`` and
-    get a ``~s`` prefix when they would read as an int (so 0 and "0" never collide)."""
-    if isinstance(key, int):
-        return str(key)
-    text = key.replace("~", "~0").replace("/", "~1")
-    return "~s" + text if text == "" or _INT_LIKE.fullmatch(text) else text
 
 
 def _join(path: str, key: str | int) -> str:

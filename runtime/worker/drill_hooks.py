@@ -25,7 +25,6 @@ from typing import Any, Callable, Mapping
 
 from phalanx.configs.errors import InjectedFault, MembershipUnavailable
 from phalanx.runtime.base import Membership
-from phalanx.runtime.snapshot.state_tree import flatten_state
 
 log = logging.getLogger(__name__)
 MEMORY_DIR = "memory"
@@ -72,6 +71,9 @@ def tensor_table(objects: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """{tensor name: address, nbytes, dtype, shape, object} of the registered objects'
     contiguous CPU tensors (the session's own ``__*`` objects left out), in registration
     order. Raises TypeError like a capture would for state that cannot be flattened."""
+    # imported here: the launcher imports this module (gate keys) and stays torch-free
+    from phalanx.runtime.snapshot.state_tree import flatten_state
+
     tensors, _ = flatten_state({n: o for n, o in objects.items() if not n.startswith("__")})
     return {name: {"address": t.data_ptr(), "nbytes": t.numel() * t.element_size(),
                    "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from phalanx.configs.errors import (ConfigError, LeaseLost, MembershipUnavailable,
                                     PeerUnreachable, StaleGeneration)
-from phalanx.runtime.base import MemberRecord, per_rank_channel
+from phalanx.runtime.base import FINISHED_PREFIX, MemberRecord, per_rank_channel
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.group.default_group import default_group, process_collective
 from phalanx.runtime.context import WorkerContext
@@ -56,7 +56,6 @@ from phalanx.runtime.snapshot.state_tree import (RNGState, assign_in_place, flat
                                                   object_kind)
 
 log = logging.getLogger(__name__)
-FINISHED_PREFIX = "finished/"
 # ``every_steps: auto``: the ranks also agree on the interval every this many steps (one
 # all_reduce of world_size integers, started then and collected this many steps later)
 AGREE_EVERY_STEPS = 16
