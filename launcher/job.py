@@ -88,6 +88,7 @@ STARTUP_ATTEMPTS = 3
 # a node report (its ranks' records, rewritten every heartbeat) standing still this many
 # heartbeats is not current: its ranks are not judged stalled on it
 REPORT_STALE_BEATS = 3
+KEEPER_START_S = 60.0    # the job's keepers, each its node's first Ray worker, start within
 KEEPER_CLOSE_S = 10.0    # a job's keepers unlink their shared memory within this, together
 NODE_LOSS_KINDS = (FaultKind.WORKER_DIED, FaultKind.NODE_DIED, FaultKind.KEEPER_DIED,
                    FaultKind.LEASE_LOST, FaultKind.COLLECTIVE_ERROR)
@@ -393,7 +394,10 @@ class JobRunner:
             actors[node] = start_keeper_actor(
                 self.cfg, node, self.secret_hex, services.etcd_endpoints, str(run.path),
                 [r for r in range(self.cfg.job.world_size) if r % self.cfg.job.nodes == node])
-        addresses = ray.get([actor.address.remote() for actor in actors.values()], timeout=60)
+        refs = [actor.address.remote() for actor in actors.values()]
+        local = services.local_ray   # a lost node is a start-up attempt lost (StartupLost)
+        addresses = (local.first_work(refs, "keepers", KEEPER_START_S) if local is not None
+                     else ray.get(refs, timeout=KEEPER_START_S))
         self.keepers = {node: (actor, tuple(addr)) for (node, actor), addr
                         in zip(actors.items(), addresses)}
 

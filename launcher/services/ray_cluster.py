@@ -26,15 +26,9 @@ NODE_RESOURCE = "phalanx_node_{}"
 # Amount of the node resource each virtual node offers; an actor asks for a sliver of it.
 NODE_RESOURCE_UNITS = 1000
 START_ATTEMPTS = 3
-PROBE_CHECK_S = 1.0     # how often a start-up probe looks for a dead raylet
+FIRST_WORK_CHECK_S = 1.0   # how often a node's first work looks for a dead raylet
 REGISTERED_POLL_S = 0.02   # how often a starting raylet's record is looked for in the GCS
 REGISTERED_WAIT_S = 30.0   # then Ray's own lookup decides (its raylet_start_wait_time_s)
-
-
-@ray.remote(num_cpus=0, max_retries=0, max_calls=1)
-def _probe() -> int:
-    """A node's first worker process: its pid (``LocalRay._probe_nodes``)."""
-    return os.getpid()
 
 
 @contextlib.contextmanager
@@ -177,7 +171,6 @@ class LocalRay:
         try:
             with _registration_polled():
                 self._start_raylets()
-            self._probe_nodes()
         except Exception as exc:  # process boundary: any Ray failure becomes one typed error
             self.close()
             raise ServiceStartError(f"local Ray did not start: {exc}") from exc
@@ -201,30 +194,28 @@ class LocalRay:
             self._nodes[index] = self._cluster.add_node(wait=True, **self._node_args(index))
         self._cluster.wait_for_nodes(timeout=60)
 
-    def _probe_nodes(self, timeout_s: float = 60.0) -> None:
-        """Start one worker process on every virtual node before the job does. A raylet
-        fate-shares with its agents, and an agent that fails as the node's first worker
-        starts takes the raylet with it (seen on a loaded 2-core machine: "the raylet
-        exited immediately because one Ray agent failed"); found here, it is one more
-        start-up attempt, instead of a job that dies while its keepers start."""
-        probes = [_probe.options(resources={node_resource(index): 1}).remote()
-                  for index in self._nodes]
+    def first_work(self, refs: list[Any], what: str, timeout_s: float = 60.0) -> list[Any]:
+        """The results of the first work the job places on the virtual nodes (its keepers'
+        start), looking every ``FIRST_WORK_CHECK_S`` for a raylet that died meanwhile. A
+        raylet fate-shares with its agents, and an agent that fails as the node's first
+        worker starts takes the raylet with it (seen on a loaded 2-core machine: "the
+        raylet exited immediately because one Ray agent failed"); found here within
+        seconds, it is one more start-up attempt (``StartupLost``), where waiting on work
+        that can never run cost a minute. (A probe task on every node did this before the
+        keepers started: 0.9 s of every launch, and a worker process per node.)"""
         deadline = time.monotonic() + timeout_s
         while True:
-            # a dead raylet's probe never ends: look for one every second rather than
-            # wait out the whole timeout (it cost a minute per start that hit it)
-            done, _ = ray.wait(probes, num_returns=len(probes), timeout=PROBE_CHECK_S)
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=FIRST_WORK_CHECK_S)
             dead = [n["NodeID"] for n in ray.nodes() if not n["Alive"]]
             if dead:
                 raise ServiceStartError(f"{len(dead)} raylet(s) died while their first "
-                                        f"worker started: {dead} (exit status by node: "
-                                        f"{self.raylet_exits()})")
-            if len(done) == len(probes):
-                ray.get(probes)
-                return
+                                        f"worker started ({what}): {dead} (exit status by "
+                                        f"node: {self.raylet_exits()})")
+            if len(done) == len(refs):
+                return ray.get(refs)
             if time.monotonic() > deadline:
-                raise ServiceStartError(f"{len(probes) - len(done)} virtual node(s) started "
-                                        f"no worker within {timeout_s:g} s")
+                raise ServiceStartError(f"{len(refs) - len(done)} of {len(refs)} {what} did "
+                                        f"not start within {timeout_s:g} s")
 
     def _head_args(self) -> dict[str, Any]:
         return {

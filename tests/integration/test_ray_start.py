@@ -1,7 +1,8 @@
-"""The local Ray's start-up probe (``LocalRay._probe_nodes``): a raylet that dies while its
-node's first worker starts fails the attempt within seconds (the launcher then starts Ray
-again), not after the probe's whole timeout. Seen on a loaded 2-core machine: a raylet
-SIGKILLed at start-up cost a minute of waiting for a probe that could never run."""
+"""The wait on a job's first work on the local Ray's nodes (``LocalRay.first_work``: the
+keepers' start): a raylet that dies while its node's first worker starts fails the attempt
+within seconds (the launcher then starts the job once more: ``StartupLost``), not after
+the wait's whole timeout. Seen on a loaded 2-core machine: a raylet SIGKILLed at start-up
+cost a minute of waiting for work that could never run."""
 from __future__ import annotations
 
 import os
@@ -9,21 +10,28 @@ import signal
 import time
 
 import pytest
+import ray
 
 from phalanx.configs.errors import ServiceStartError
 from phalanx.configs.schema import RayConfig
-from phalanx.launcher.services.ray_cluster import LocalRay
+from phalanx.launcher.services.ray_cluster import LocalRay, node_resource
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def test_a_raylet_dead_at_start_up_fails_the_probe_within_seconds() -> None:
-    with LocalRay(RayConfig(virtual_nodes=2), log_to_driver=False).start() as cluster:
+def _pid() -> int:
+    return os.getpid()
+
+
+def test_a_raylet_dead_at_start_up_fails_the_first_work_within_seconds() -> None:
+    with LocalRay(RayConfig(virtual_nodes=2), log_to_driver=False) as cluster:   # starts it
+        first = ray.remote(num_cpus=0, max_retries=0)(_pid)
         raylet = cluster.node_pids(1)[0]
         os.kill(raylet, signal.SIGKILL)
         started = time.monotonic()
+        refs = [first.options(resources={node_resource(i): 1}).remote() for i in (0, 1)]
         with pytest.raises(ServiceStartError, match=r"1 raylet\(s\) died") as raised:
-            cluster._probe_nodes(timeout_s=60.0)          # noqa: SLF001
+            cluster.first_work(refs, "probes", timeout_s=60.0)
         assert time.monotonic() - started < 15.0
         # how it died is in the error: the signal, as the launcher reports a lost start
         assert cluster.raylet_exits() == {1: -signal.SIGKILL}
