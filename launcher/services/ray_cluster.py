@@ -209,7 +209,8 @@ class LocalRay:
             dead = [n["NodeID"] for n in ray.nodes() if not n["Alive"]]
             if dead:
                 raise ServiceStartError(f"{len(dead)} raylet(s) died while their first "
-                                        f"worker started ({what}): {dead} (exit status by "
+                                        f"worker started ({what}): "
+                                        f"{', '.join(n[:12] for n in dead)} (exit status by "
                                         f"node: {self.raylet_exits()})")
             if len(done) == len(refs):
                 return ray.get(refs)
