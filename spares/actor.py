@@ -3,9 +3,10 @@ already imported torch and the entrypoint and waits for ``run``). It runs the tr
 entrypoint with a torchrun-compatible environment and reports its result or traceback.
 
 The launcher imports this module to define the actor class, so the torch side of a worker
-(the default group, the session) is imported in the actor's own process (``__init__``,
-``run``), never at import: torch at import cost every launch 1.1 s at its start and the
-launcher ~150 MB (``tests/unit/test_launcher_imports.py``)."""
+(the default group, the session) is imported in the actor's own process, at its warm-up
+(``__init__``: a spare pays it before it is promoted, not after), never at import: the
+launcher's import of torch held every launch 1.1 s before etcd started
+(``tests/unit/test_layers.py``)."""
 from __future__ import annotations
 
 import ctypes
@@ -41,6 +42,11 @@ class WorkerActor:
         os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         import torch  # warm-up: the import is most of a fresh worker's start-up time
 
+        from phalanx.runtime.group.default_group import install
+        from phalanx.runtime.worker.session import last_state_digest
+
+        self._install_group, self._state_digest = install, last_state_digest
+
         torch.set_num_threads(torch_threads)
         _warm_torch()
         self._entry = load_entrypoint(entrypoint)
@@ -58,9 +64,6 @@ class WorkerActor:
 
         Raises ``WorkerFailed`` carrying the worker's traceback when the entrypoint raises.
         """
-        from phalanx.runtime.group.default_group import install as install_default_group
-        from phalanx.runtime.worker.session import last_state_digest
-
         self._rank = int(env["RANK"])
         os.environ.update(env)
         _redirect_output(log_path)
@@ -69,7 +72,7 @@ class WorkerActor:
         bind_fields(rank=ctx.rank, generation=ctx.generation)   # the Session keeps it live
         log.info("event=worker_run rank=%d pid=%d", self._rank, os.getpid())
         if not ctx.standalone_run:   # the script's init_process_group() builds phalanx's
-            install_default_group(ctx)
+            self._install_group(ctx)
         try:
             result = self._entry(**args)
         except BaseException as exc:  # process boundary: the traceback becomes the report
@@ -83,7 +86,7 @@ class WorkerActor:
             sys.stderr.flush()
         # finished_at (wall clock): when training ended, for the launcher's goodput
         self._outcome = {"rank": self._rank, "pid": os.getpid(), "result": result,
-                         "state_digest": last_state_digest(), "finished_at": time.time()}
+                         "state_digest": self._state_digest(), "finished_at": time.time()}
         return self._outcome
 
     def result(self) -> dict[str, Any] | None:

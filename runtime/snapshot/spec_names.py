@@ -1,8 +1,8 @@
 """How a snapshot's tree spec names things, without torch: the path segment of a key
 (``escape_segment``) and the DTensor node tag. The launcher reads specs (a rank's
 replicated-state digests name their tensors by these paths) and must not import torch,
-which ``state_tree`` and ``dtensor`` need: it took the launcher's start 1.1 s and its
-memory ~150 MB."""
+which ``state_tree`` and ``dtensor`` need (the launcher imports torch only for its
+TCPStore, on a thread while etcd and Ray start: ``services.stack.prefetch_torch``)."""
 from __future__ import annotations
 
 import re
