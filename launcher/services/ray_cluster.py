@@ -41,9 +41,10 @@ def _registration_polled() -> Any:
     registered, so every virtual node took 1.1 s to start where it registers in about
     0.5 s. Here the driver's own GCS connection (``ray.nodes()``) is polled every
     ``REGISTERED_POLL_S`` first, and Ray's lookup then finds the record at once. The
-    head's lookup (before the driver connects) is Ray's own: a fresh GCS client polling
-    the head's GCS as it starts left Ray's next lookup hung for its 60 s deadline in 2 of
-    13 launches."""
+    head's lookup (before the driver connects) is left to Ray (bounded: ``bounded_lookup``):
+    a first version that polled the starting head with a GCS client of its own met Ray's
+    60 s lookup stall in 2 of 13 launches, which says little, as the stall comes without
+    it too."""
     original = ray_services.get_node
 
     def get_node(gcs_address: str, node_id: str) -> Any:

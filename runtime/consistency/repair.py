@@ -17,7 +17,8 @@ from phalanx.configs.errors import PhalanxError, SnapshotNotFound
 from phalanx.runtime.base import KeeperCopy, PeerCopy, RestoreSource, TierCopy
 from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.snapshot.format import Manifest, read_tensors
-from phalanx.runtime.snapshot.state_tree import apply_state, escape_segment
+from phalanx.runtime.snapshot.spec_names import escape_segment
+from phalanx.runtime.snapshot.state_tree import apply_state
 
 log = logging.getLogger(__name__)
 

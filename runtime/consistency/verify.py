@@ -35,7 +35,7 @@ import torch
 from phalanx.configs.errors import ConfigError
 from phalanx.configs.loader import load_config_text
 from phalanx.runtime.context import WorkerContext
-from phalanx.runtime.snapshot.state_tree import escape_segment
+from phalanx.runtime.snapshot.spec_names import escape_segment
 from phalanx.runtime.consistency.digest import (Agreement, ReplicaStatus, agreement_vector,
                                                 read_agreement, replica_digest)
 

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
 
-TAG = DTENSOR_TAG
 _MODULE = "torch.distributed.tensor"    # imported lazily: ~0.6 s, only by jobs that use it
 _FIX = ("restore onto the same world size and mesh shape, or save a DCP checkpoint "
         "(torch.distributed.checkpoint) and load it into the new mesh to reshard")
@@ -67,7 +66,7 @@ def describe(value: DTensor, path: str) -> tuple[torch.Tensor, dict[str, Any]]:
     placements = [_placement(p, path) for p in value.placements]
     coord = mesh.get_coordinate()
     return value.to_local(), {
-        "t": TAG, "mesh": mesh_info(mesh), "placements": placements,
+        "t": DTENSOR_TAG, "mesh": mesh_info(mesh), "placements": placements,
         "shape": list(value.shape), "stride": list(value.stride()),
         "coord": None if coord is None else [int(c) for c in coord]}
 

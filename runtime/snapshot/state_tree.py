@@ -16,7 +16,7 @@ import torch
 
 from phalanx.configs.errors import SnapshotCorrupt
 from phalanx.runtime.snapshot import dtensor
-from phalanx.runtime.snapshot.spec_names import escape_segment
+from phalanx.runtime.snapshot.spec_names import DTENSOR_TAG, escape_segment
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -229,7 +229,7 @@ class _Builder:
         if tag in ("tensor", "ndarray"):
             t = self._tensor(node["name"], path)
             return t.numpy() if tag == "ndarray" else t
-        if tag == dtensor.TAG:
+        if tag == DTENSOR_TAG:
             local = self._tensor(node["name"], path)
             return local if self.meshes is None else dtensor.rebuild(local, node, self.meshes,
                                                                      path)
