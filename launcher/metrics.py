@@ -66,8 +66,8 @@ def replication_lag(reports: Mapping[str, KeeperReport], copies: int) -> dict[st
     Per rank whose local copies the node holds: newest local step minus the newest step of
     that rank held as a replica by any other keeper (-1 when none holds one yet); the
     node's steps are the largest of its ranks', its bytes the sum over its ranks of lag
-    steps x the node's bytes per snapshot copy (``bytes_held`` / copies held: reports carry
-    no per-rank sizes). 0 for every node when replication is off (``copies`` 0)."""
+    steps x the node's bytes per snapshot copy (``bytes_held`` plus ``bytes_shared``, over
+    the copies held: reports carry no per-rank sizes). 0 for every node when replication is off (``copies`` 0)."""
     newest_replica: dict[int, dict[str, int]] = {}       # rank -> holder -> newest step
     for node, report in reports.items():
         for rank, steps in report.replicas.items():
@@ -77,7 +77,7 @@ def replication_lag(reports: Mapping[str, KeeperReport], copies: int) -> dict[st
     for node, report in reports.items():
         held = sum(len(s) for s in report.local.values()) + sum(
             len(s) for s in report.replicas.values())
-        per_copy = report.bytes_held // held if held else 0
+        per_copy = (report.bytes_held + report.bytes_shared) // held if held else 0
         worst, total = 0, 0
         for rank, steps in report.local.items():
             if not steps or copies <= 0:

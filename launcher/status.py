@@ -83,7 +83,8 @@ def live_document(info: Mapping[str, Any], run_dir: Path, members: Mapping[str, 
               "pid": r.pid}
              for r in sorted(members.values(), key=lambda r: (r.rank, r.worker_id))
              if r.rank >= 0]
-    keepers = [{"node": node, "bytes_held": report.bytes_held, "generation": report.generation,
+    keepers = [{"node": node, "bytes_held": report.bytes_held,
+                "bytes_shared": report.bytes_shared, "generation": report.generation,
                 "local": {str(rank): max(steps) for rank, steps in sorted(report.local.items())
                           if steps},
                 "replicas": {str(rank): max(steps) for rank, steps

@@ -173,17 +173,22 @@ def snapshot_groups_table(doc: Doc) -> Table:
 
 
 def keepers_view(keepers: Sequence[Mapping[str, Any]]) -> Table:
+    """Per keeper: the memory its snapshots hold, and the replica bytes it keeps as
+    references to another copy on its node instead (one copy per node: "shared MiB")."""
     table = Table(title=f"keepers ({len(keepers)})")
-    for column in ("node", "held MiB", "own ranks", "replicated ranks"):
+    for column in ("node", "held MiB", "shared MiB", "own ranks", "replicated ranks"):
         table.add_column(column)
     if len(keepers) > KEEPERS_LISTED:
         held = [k["bytes_held"] / 2**20 for k in keepers]
+        shared = sum(k.get("bytes_shared", 0) for k in keepers) / 2**20
         table.add_row(f"{len(keepers)} keepers", f"{sum(held):.1f} (each {min(held):.1f}.."
-                      f"{max(held):.1f})", str(sum(len(k["local"]) for k in keepers)),
+                      f"{max(held):.1f})", f"{shared:.1f}",
+                      str(sum(len(k["local"]) for k in keepers)),
                       str(sum(len(k["replicas"]) for k in keepers)))
         return table
     for keeper in keepers:
         table.add_row(keeper["node"], f"{keeper['bytes_held'] / 2**20:.1f}",
+                      f"{keeper.get('bytes_shared', 0) / 2**20:.1f}",
                       str(len(keeper["local"])), str(len(keeper["replicas"])))
     return table
 

@@ -42,6 +42,9 @@ class KeeperReport:
     replicas: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     bytes_held: int = 0
     generation: int = 0
+    # replica bytes kept as references to another snapshot on the node, not held twice
+    # (``phalanx.runtime.keeper.shared_copies``): a copy's size is held + shared over copies
+    bytes_shared: int = 0
     # the node's ranks' member records (worker id -> record as JSON), published under the
     # keeper's lease: one lease and one heartbeat per node (``phalanx.runtime.keeper.members``)
     members: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -51,6 +54,7 @@ class KeeperReport:
                            "local": {str(r): list(s) for r, s in self.local.items()},
                            "replicas": {str(r): list(s) for r, s in self.replicas.items()},
                            "bytes_held": self.bytes_held, "generation": self.generation,
+                           "bytes_shared": self.bytes_shared,
                            NODE_MEMBERS: dict(self.members)},
                           sort_keys=True, separators=(",", ":")).encode()
 
@@ -61,6 +65,7 @@ class KeeperReport:
                    local={int(r): tuple(int(x) for x in s) for r, s in raw["local"].items()},
                    replicas={int(r): tuple(int(x) for x in s) for r, s in raw["replicas"].items()},
                    bytes_held=int(raw.get("bytes_held", 0)),
+                   bytes_shared=int(raw.get("bytes_shared", 0)),
                    generation=int(raw.get("generation", 0)),
                    members=dict(raw.get(NODE_MEMBERS) or {}))
 

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from phalanx.configs.errors import ConfigError, PeerUnreachable, SnapshotNotFound, StaleGeneration
 from phalanx.runtime.base import is_channel
@@ -16,9 +16,11 @@ from phalanx.runtime.keeper.memory_plan import (MemoryPlan, MemoryPlanExceeded, 
                                                 job_bytes_held, plan_shortfall)
 from phalanx.runtime.keeper.wire import (KeeperClient, KeeperRequestInvalid, OpHandler, SlotBusy,
                                          handle)
-from phalanx.runtime.keeper.shm import (Held, RankSlots, ShmBuffer, check_capacity, memory_plan,
-                                        owned_names, pick_slot, remove_stale, shm_prefix,
-                                        validate_name)
+from phalanx.runtime.keeper.shared_copies import (copy_refs_in, locate, own_ranges,
+                                                  shared_bytes)
+from phalanx.runtime.keeper.shm import (Held, RankSlots, Ref, ShmBuffer, check_capacity,
+                                        memory_plan, owned_names, pick_slot, remove_stale,
+                                        shm_prefix, validate_name)
 from phalanx.runtime.transport.tcp import DEFAULT_MAX_PAYLOAD, FrameServer, Reply, Request
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,8 @@ class Keeper:
         # placement, -> the committed step then: released once a newer step commits
         self._departed: dict[tuple[str, int], int] = {}
         self._publish_listeners: list[Callable[[], None]] = []
+        self._publishes: dict[int, int] = {}    # rank -> snapshots published (offers wait)
+        self._sharing: set[int] = set()         # ranks whose replicas shared bytes here
         self._ops = dict(ops or {})       # served through the op port (e.g. replication's)
         # every registered op is fenced unless it says otherwise (``wire.Unfenced``)
         self._write_ops = _WRITE_OPS | {name for name, op in self._ops.items()
@@ -321,6 +325,7 @@ class Keeper:
                 if other.state == "ready" and other.step == step:
                     other.state = "empty"
             held.state, held.step, held.manifest, held.used = "ready", step, manifest, nbytes
+            self._publishes[rank] = self._publishes.get(rank, 0) + 1
             for old in table.retired:
                 self._doom(old)
             table.retired = []
@@ -361,12 +366,20 @@ class Keeper:
             source.release()
 
     def store_replica(self, rank: int, step: int, manifest: bytes, nbytes: int,
-                      fill: Callable[[memoryview], None]) -> list[int]:
+                      fill: Callable[[memoryview], None],
+                      shared: Sequence[tuple[int, int, Held, bytes, int]] = ()) -> list[int]:
         """Like ``put_replica``, but ``fill`` writes the payload into the shm view itself
         (the TCP handler receives straight from the socket). The newest ``replica_keep``
-        steps stay; a failed ``fill`` leaves what was held untouched."""
+        steps stay; a failed ``fill`` leaves what was held untouched.
+
+        ``shared``: (offset, nbytes, held, its manifest, at) for ranges of the payload that
+        ``held`` (a ready snapshot here, published with that manifest) holds at ``at``: they
+        are kept as references, not copied, and ``fill`` must leave them alone
+        (``phalanx.runtime.keeper.shared_copies``). SnapshotNotFound if one left memory."""
         if nbytes <= 0:
             raise KeeperRequestInvalid(f"replica of rank {rank} step {step} is empty")
+        if shared:
+            return self._store_thin(rank, step, manifest, nbytes, fill, shared)
         buf = self._take_free(nbytes)
         if buf is not None:
             try:
@@ -387,22 +400,137 @@ class Keeper:
                 self._keep_free(buf)
             raise
         view.release()
+        return self._keep_replica(Held(buf, rank, "ready", step, manifest, nbytes))
+
+    def _store_thin(self, rank: int, step: int, manifest: bytes, nbytes: int,
+                    fill: Callable[[memoryview], None],
+                    shared: Sequence[tuple[int, int, Held, bytes, int]]) -> list[int]:
+        """``store_replica`` of a replica whose ``shared`` ranges stay references: a new
+        sparse file whose other ranges alone get pages."""
+        buf = ShmBuffer.create(
+            os.path.join(self.shm_dir, f"{self.prefix}x{next(self._seq)}"), nbytes,
+            allocate=False)
+        thin = Held(buf, rank, "writing", step, manifest, nbytes)
+        try:
+            with self._cond:
+                thin.refs = self._pin_sources(rank, step, shared)
+            buf.reserve_ranges(own_ranges(nbytes, thin.refs))
+            with buf.view(nbytes) as view:
+                fill(view)
+        except BaseException:
+            with self._cond:
+                self._release_refs(thin)
+            buf.close()
+            raise
+        thin.state = "ready"
+        return self._keep_replica(thin)
+
+    def _pin_sources(self, rank: int, step: int,
+                     shared: Sequence[tuple[int, int, Held, bytes, int]]) -> tuple[Ref, ...]:
+        """Called with the lock held: the references of a new replica, each distinct source
+        pinned once (non-yielding until the replica is stored: ``_keep_replica``)."""
+        refs: list[Ref] = []
+        for offset, nbytes, held, manifest, at in shared:
+            where = (locate(held, at, nbytes) if held.state == "ready" and not held.doomed
+                     and held.manifest is manifest else None)
+            if where is None:
+                self._unpin_sources(refs, None)
+                raise SnapshotNotFound(
+                    f"keeper {self.node}: a tensor reused by rank {rank} step {step} left "
+                    "memory during the push; offer again")
+            source, source_at = where
+            if all(ref.source is not source for ref in refs):
+                source.pins += 1
+                source.ref_pins += 1
+            refs.append(Ref(offset, nbytes, source, source_at))
+        return tuple(refs)
+
+    def _release_refs(self, held: Held) -> None:
+        """Called with the lock held: let go of ``held``'s references."""
+        refs, held.refs = held.refs, ()
+        self._unpin_sources(refs, held)
+
+    def _unpin_sources(self, refs: Sequence[Ref], thin: Held | None) -> None:
+        """Called with the lock held: release each distinct source's reference pin (and
+        ``thin``'s claim callback on it); a doomed source goes once unpinned."""
+        for source in {id(r.source): r.source for r in refs}.values():
+            source.pins -= 1
+            source.ref_pins -= 1
+            source.yielding = [c for c in source.yielding
+                               if not (isinstance(c, _Materializer) and c.thin is thin)]
+            if source.doomed and source.pins == 0:
+                self._close_held(source)
+        if refs:
+            self._cond.notify_all()
+
+    def _close_held(self, held: Held) -> None:
+        """Called with the lock held: unmap ``held`` (its last pin is gone)."""
+        self._release_refs(held)
+        held.buf.close()
+
+    def _keep_replica(self, new: Held) -> list[int]:
+        """Keep a stored replica, evicting the same step and what retention drops."""
+        rank, step = new.rank, new.step
         with self._cond:
-            self._refuse_if_closed([buf])
+            if self._closed:
+                self._release_refs(new)
+            self._refuse_if_closed([new.buf])
+            for source in {id(r.source): r.source for r in new.refs}.values():
+                source.yielding.append(_Materializer(self, new))
             held = self._replicas.setdefault(rank, [])
             for old in [h for h in held if h.step == step]:
                 held.remove(old)
                 self._evict(old)
-            held.append(Held(buf, rank, "ready", step, manifest, nbytes))
+            held.append(new)
             held.sort(key=lambda h: h.step)
             evicted = held[:-self.replica_keep]
             del held[:-self.replica_keep]
             for old in evicted:
                 self._evict(old)
             self._reclaim()
-        log.debug("keeper.replica_stored node=%s rank=%d step=%d nbytes=%d evicted=%s",
-                  self.node, rank, step, nbytes, [h.step for h in evicted])
+        shared = shared_bytes([new])
+        log.debug("keeper.replica_stored node=%s rank=%d step=%d nbytes=%d shared=%d "
+                  "evicted=%s", self.node, rank, step, new.used, shared,
+                  [h.step for h in evicted])
+        if shared and rank not in self._sharing:
+            self._sharing.add(rank)     # told once per rank: the job's events stay few
+            log.info("keeper.replica_shared node=%s rank=%d step=%d shared=%d of %d", self.node,
+                     rank, step, shared, new.used)
+            if self._on_event is not None:
+                self._on_event({"event": "replica_shared", "rank": rank, "step": step,
+                                "shared_bytes": shared, "rank_bytes": new.used})
         return [h.step for h in evicted]
+
+    def _materialize(self, thin: Held) -> None:
+        """A claim needs a slot ``thin`` references (``_Materializer``, a thread): copy the
+        referenced bytes in, then let go of the sources once no reader reads through them.
+        A copy that fails (tmpfs full) forgets the replica instead: the claim goes on."""
+        try:
+            thin.buf.reserve_ranges([(r.offset, r.nbytes) for r in thin.refs])
+            copy_refs_in(thin)
+            failed = None
+        except Exception as exc:  # noqa: BLE001 - thread boundary
+            failed = exc
+        with self._cond:
+            while thin.pins > 1 and failed is None and not self._closed:
+                self._cond.wait(1.0)       # a reader still reads through the references
+            if failed is not None:
+                log.warning("keeper.materialize_failed node=%s rank=%d step=%d error=%s",
+                            self.node, thin.rank, thin.step, failed)
+                listed = self._replicas.get(thin.rank, [])
+                if thin in listed:
+                    listed.remove(thin)
+                    thin.state = "empty"
+                    self._doom(thin)
+            self._release_refs(thin)
+            thin.materializing = False
+            thin.pins -= 1
+            if thin.doomed and thin.pins == 0:
+                self._close_held(thin)
+            self._cond.notify_all()
+        if failed is None:
+            log.debug("keeper.materialized node=%s rank=%d step=%d", self.node, thin.rank,
+                      thin.step)
 
     def _take_free(self, nbytes: int) -> ShmBuffer | None:
         with self._cond:
@@ -418,6 +546,7 @@ class Keeper:
         if held.pins:
             self._doom(held)
         else:
+            self._release_refs(held)
             self._keep_free(held.buf)
 
     def _keep_free(self, buf: ShmBuffer) -> None:
@@ -467,33 +596,41 @@ class Keeper:
                     del held.yielding[i]
                     break
             if held.doomed and held.pins == 0:
-                held.buf.close()
+                self._close_held(held)
             self._cond.notify_all()
 
     def ready_snapshots(self) -> list[Held]:
         """Every ready snapshot held, replicas first (never claimed by a worker, so the
-        better source to copy from), then local slots. Read fields only under ``pin_held``."""
+        better source to share), then local slots. Read fields only under the lock
+        (``store_replica`` checks them again)."""
         with self._cond:
             replicas = [h for lst in self._replicas.values() for h in lst if h.state == "ready"]
             local = [h for t in self._local.values() for h in t.slots + t.retired
                      if h.state == "ready"]
             return replicas + local
 
-    def pin_held(self, held: Held, manifest: bytes) -> bool:
-        """Pin ``held`` if it still holds the snapshot published with ``manifest`` (the
-        same bytes object), else return False. Release with ``unpin``."""
+    def settle_local_writes(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) until every local rank that is writing a snapshot now
+        has published one: an offer's dedup then finds that snapshot's tensors."""
+        deadline = time.monotonic() + timeout_s
         with self._cond:
-            if held.state != "ready" or held.doomed or held.manifest is not manifest:
-                return False
-            held.pins += 1
-            return True
+            waiting = {rank: self._publishes.get(rank, 0) for rank, table in self._local.items()
+                       if not is_channel(rank) and any(h.state == "writing" for h in table.slots)}
+            while waiting:
+                waiting = {rank: n for rank, n in waiting.items()
+                           if self._publishes.get(rank, 0) == n and rank in self._local
+                           and any(h.state == "writing" for h in self._local[rank].slots)}
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    return
+                self._cond.wait(left)
 
     def _doom(self, held: Held) -> None:
         """Called with the lock held: forget ``held``; its file goes now, its map when unread."""
         held.state, held.doomed = "empty", True
         held.buf.unlink()
         if held.pins == 0:
-            held.buf.close()
+            self._close_held(held)
 
     def drop(self, rank: int | None, below_step: int | None = None,
              above_step: int | None = None) -> dict[str, list[int]]:
@@ -604,7 +741,8 @@ class Keeper:
         for rank, lst in self._replicas.items():
             if is_channel(rank):
                 continue
-            for held in [h for h in lst[:-1] if h.step < floor and h.pins == 0]:
+            # (pins that are other replicas' references keep only the map, not the step)
+            for held in [h for h in lst[:-1] if h.step < floor and h.pins == h.ref_pins]:
                 forgot.append(("replica", rank, held.step))
                 lst.remove(held)
                 self._evict(held)
@@ -688,25 +826,34 @@ class Keeper:
             return out
 
     def snapshot_files(self, rank: int) -> list[dict[str, Any]]:
-        """Where ``rank``'s ready snapshots live (step, own or replica, shm path, bytes):
-        what a storage drill damages in place."""
+        """Where ``rank``'s ready snapshots live (step, own or replica, shm path, bytes,
+        and ``middle``: the file and offset that hold its middle payload byte, another
+        snapshot's for a replica that shares it): what a storage drill damages in place."""
         with self._cond:
             table = self._local.get(rank)
             own = [("own", h) for h in (table.slots + table.retired if table else [])
                    if h.state == "ready"]
             held = own + [("replica", h) for h in self._replicas.get(rank, [])]
-            return [{"step": h.step, "kind": kind, "path": h.buf.path, "nbytes": h.used or
-                     h.buf.nbytes} for kind, h in held]
+            out = []
+            for kind, h in held:
+                nbytes = h.used or h.buf.nbytes
+                where, at = locate(h, nbytes // 2, 1) or (h, nbytes // 2)
+                out.append({"step": h.step, "kind": kind, "path": h.buf.path, "nbytes": nbytes,
+                            "middle": [where.buf.path, at]})
+            return out
 
     def stats(self) -> dict[str, int]:
         """Bytes and files held: local slots (all layouts), replicas, recycled buffers (their
-        sizes), and ``resident_bytes``: the tmpfs pages all of them hold now (``_reclaim``
-        gives back those of buffers that hold nothing)."""
+        sizes), ``shared_bytes`` (replica bytes kept as references to another snapshot
+        here, not as a second copy) and ``resident_bytes``: the tmpfs pages all of them
+        hold now (``_reclaim`` gives back those of buffers that hold nothing)."""
         with self._cond:
             local = [h.buf for t in self._local.values() for h in t.slots + t.retired]
             replica = [h.buf for lst in self._replicas.values() for h in lst]
             return {"local_bytes": sum(b.nbytes for b in local),
                     "replica_bytes": sum(b.nbytes for b in replica),
+                    "shared_bytes": shared_bytes(h for lst in self._replicas.values()
+                                                 for h in lst),
                     "free_bytes": sum(b.nbytes for b in self._free),
                     "resident_bytes": sum(b.resident() for b in local + replica + self._free),
                     "files": len(local) + len(replica) + len(self._free),
@@ -723,3 +870,21 @@ class Keeper:
                 raise StaleGeneration(f"keeper {self.node}: op={header.get('op')} from "
                                       f"generation {generation} is fenced")
         return handle(self, request, self._ops)
+
+
+class _Materializer:
+    """The claim callback of a replica's pin on a source it references: called under the
+    keeper's lock when a worker's claim needs that slot, it starts the copy of the
+    referenced bytes into the replica (``Keeper._materialize``) and returns at once."""
+
+    def __init__(self, keeper: Keeper, thin: Held) -> None:
+        self.keeper, self.thin = keeper, thin
+
+    def __call__(self) -> None:
+        thin = self.thin
+        if thin.materializing or not thin.refs:
+            return
+        thin.materializing = True
+        thin.pins += 1          # the copy's own pin: the replica stays mapped meanwhile
+        threading.Thread(target=self.keeper._materialize, args=(thin,), daemon=True,
+                         name=f"materialize-{self.keeper.node}-{thin.rank}").start()

@@ -139,4 +139,5 @@ def report_from_keeper(node: str, address: tuple[str, int], holdings: dict[int, 
         replicas={rank: tuple(info.get("replica", ())) for rank, info in holdings.items()
                   if info.get("replica")},
         bytes_held=int(stats.get("resident_bytes", 0)),
+        bytes_shared=int(stats.get("shared_bytes", 0)),
         generation=generation)

@@ -121,6 +121,16 @@ class ShmBuffer:
         """Allocate every page again after ``release_pages`` (``reserve_file``)."""
         reserve_file(self.path, self.nbytes)
 
+    def reserve_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """Allocate the pages of these (offset, nbytes) ranges only: a replica's own bytes
+        when the rest are references (the holes read as zeros and stay unallocated)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for offset, nbytes in ranges:
+                _pretouch(fd, nbytes, self.path, offset)
+        finally:
+            os.close(fd)
+
     def view(self, nbytes: int | None = None) -> memoryview:
         """A writable view of the first ``nbytes``; the caller must ``release()`` it."""
         if self._mm is None:
@@ -161,6 +171,23 @@ class Held:
     # One callback per pin that gives way to a writer (a replica push): a claim that
     # needs this slot calls them once (under the Keeper's lock) and waits for the unpins.
     yielding: list[Callable[[], None]] = field(default_factory=list)
+    # A replica whose bytes other snapshots on this keeper already hold keeps those
+    # ranges as references, not copies (``phalanx.runtime.keeper.shared_copies``); each
+    # distinct source is pinned once for it (``ref_pins`` counts such pins of this one)
+    refs: tuple["Ref", ...] = ()
+    ref_pins: int = 0
+    materializing: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Ref:
+    """Bytes [offset, offset + nbytes) of a replica are ``source``'s bytes at ``at``: the
+    same tensor of another snapshot this keeper holds (one copy per node)."""
+
+    offset: int
+    nbytes: int
+    source: Held
+    at: int
 
 
 @dataclass(eq=False)
@@ -235,10 +262,13 @@ def reserve_file(path: str, nbytes: int) -> None:
         os.close(fd)
 
 
-def _pretouch(fd: int, nbytes: int, path: str) -> None:
-    """Allocate every page of the file once so later copies into it do not fault pages in."""
+def _pretouch(fd: int, nbytes: int, path: str, offset: int = 0) -> None:
+    """Allocate every page of the file (of its range from ``offset``) once so later copies
+    into it do not fault pages in."""
+    if nbytes <= 0:
+        return
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(fd, offset, nbytes)
         return
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
@@ -246,10 +276,10 @@ def _pretouch(fd: int, nbytes: int, path: str) -> None:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
     zeros = bytes(min(_ZERO_CHUNK, nbytes))
-    offset = 0
+    end = offset + nbytes
     try:
-        while offset < nbytes:
-            offset += os.pwrite(fd, zeros[: nbytes - offset], offset)
+        while offset < end:
+            offset += os.pwrite(fd, zeros[: end - offset], offset)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise _no_space(path, nbytes) from exc

@@ -13,6 +13,7 @@ import os
 from typing import Any, Callable, Iterator, Mapping, Protocol
 
 from phalanx.configs.errors import FatalError, PeerUnreachable, TransientError
+from phalanx.runtime.keeper.shared_copies import payload_views
 from phalanx.runtime.transport.frames import FrameInvalid, register_remote_error
 from phalanx.runtime.transport.tcp import DEFAULT_TIMEOUT_S, FrameClient, Reply, Request
 
@@ -48,7 +49,6 @@ class _Served(Protocol):
     def pin(self, rank: int, step: int | None = None) -> tuple[str, Any]: ...
     def unpin(self, held: Any) -> None: ...
     def ready_snapshots(self) -> list[Any]: ...
-    def pin_held(self, held: Any, manifest: bytes) -> bool: ...
     def store_replica(self, rank: int, step: int, manifest: bytes, nbytes: int,
                       fill: Callable[[memoryview], None]) -> list[int]: ...
     def holdings(self) -> dict[int, dict[str, Any]]: ...
@@ -145,18 +145,19 @@ def _get(keeper: _Served, rank: int, step: int | None) -> Reply:
     reader verifies every checksum and the HMAC of what arrives)."""
     source, held = keeper.pin(rank, step)
     try:
-        view = held.buf.view(held.used)
+        views = payload_views(held)     # a replica's shared ranges from their sources
     except BaseException:
         keeper.unpin(held)
         raise
 
     def done() -> None:
-        view.release()
+        for view in views:
+            view.release()
         keeper.unpin(held)
 
     header = {"rank": rank, "step": held.step, "source": source,
               "manifest_nbytes": len(held.manifest), "size": held.used}
-    return Reply(header, [held.manifest, view], done)
+    return Reply(header, [held.manifest, *views], done)
 
 
 def _lend(keeper: _Served, request: Request, rank: int, step: int | None) -> Reply:
@@ -171,8 +172,11 @@ def _lend(keeper: _Served, request: Request, rank: int, step: int | None) -> Rep
         request.scope["on_close"] = [give_all_back]
     token = max(lent, default=0) + 1
     lent[token] = held
+    # a replica sharing ranges with other snapshots here has no one file to map (a source
+    # may be unlinked already): the reader gets it through the socket instead
     return Reply({"token": token, "rank": rank, "step": held.step, "source": source,
-                  "path": held.buf.path, "size": held.used}, [held.manifest])
+                  "path": held.buf.path, "size": held.used, "shared": bool(held.refs)},
+                 [held.manifest])
 
 
 _REQUIRED = object()
@@ -282,24 +286,26 @@ class KeeperClient:
                ) -> Iterator[tuple[int, bytes, memoryview]]:
         """(step, manifest, payload) of ``rank`` at ``step`` (or the newest held), the
         payload a read-only map of the keeper's own slot file: for a reader on the keeper's
-        host, nothing is copied through the socket. The keeper keeps the slot pinned until
-        the block ends; drop every view of the payload (tensors over it) before that."""
+        host, nothing is copied through the socket (but for a replica that shares ranges
+        with other snapshots there: that one comes through it). The keeper keeps the slot
+        pinned until the block ends; drop every view of the payload (tensors over it)
+        before that."""
         reply, manifest = self._frames.request(
             self._stamp({"op": "lend", "rank": rank, "step": step}))
         try:
-            fd = os.open(reply["path"], os.O_RDONLY)
-            try:
-                mapping = mmap.mmap(fd, reply["size"], flags=mmap.MAP_SHARED,
-                                    prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            view = memoryview(mapping)
+            mapping: mmap.mmap | None = None
+            if reply.get("shared"):     # a replica sharing ranges: copied through the socket
+                view = memoryview(self.get(rank, reply["step"])[2]).toreadonly()
+            else:
+                mapping = _map_readonly(reply["path"], reply["size"])
+                view = memoryview(mapping)
             try:
                 yield reply["step"], bytes(manifest or b""), view
             finally:
                 with contextlib.suppress(BufferError):  # a view outlived the block: the
                     view.release()                      # map goes with the last one
-                    mapping.close()
+                    if mapping is not None:
+                        mapping.close()
         finally:
             try:
                 self._call({"op": "give_back", "token": reply["token"]})
@@ -385,3 +391,11 @@ class KeeperClient:
                 target = target[:size]
             return [memoryview(holder["manifest"]), target]
         return sink
+
+
+def _map_readonly(path: str, nbytes: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)

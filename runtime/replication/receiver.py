@@ -1,7 +1,8 @@
 """The receiving keeper's side of a replica push (protocol: ``phalanx.runtime.replication.wire``):
-answer an offer from the tensors it holds, and store a push, copying the reused tensors
-from its own memory and checking the header's check and every received chunk's digest
-before the replica is kept. Registered on a keeper through its op port
+answer an offer from the tensors it holds, and store a push, keeping the reused tensors as
+references to the snapshots that hold them here (one copy per node:
+``phalanx.runtime.keeper.shared_copies``) and checking the header's check and every
+received chunk's digest before the replica is kept. Registered on a keeper through its op port
 (``ReplicaReceiver.ops``) and called on the keeper's connection threads.
 """
 from __future__ import annotations
@@ -23,8 +24,10 @@ from phalanx.runtime.transport.tcp import Reply, Request
 
 log = logging.getLogger(__name__)
 
-_COPY_SLICE = 16 << 20  # memcpy slices, so a large copy does not hold the GIL for long
-
+# How long an offer waits for this node's ranks to finish the captures they are writing
+# (a capture of a few hundred MB takes 0.1-0.3 s here); past it, the offer answers
+# from what is published.
+OFFER_SETTLE_S = 1.0
 
 class _Receiving(Protocol):
     """What the receiver needs of a Keeper (phalanx.runtime.keeper.daemon.Keeper)."""
@@ -32,11 +35,11 @@ class _Receiving(Protocol):
     node: str
 
     def ready_snapshots(self) -> list[Held]: ...
-    def pin_held(self, held: Held, manifest: bytes) -> bool: ...
-    def unpin(self, held: Held) -> None: ...
     def holdings(self) -> dict[int, dict[str, Any]]: ...
     def store_replica(self, rank: int, step: int, manifest: bytes, nbytes: int,
-                      fill: Callable[[memoryview], None]) -> list[int]: ...
+                      fill: Callable[[memoryview], None],
+                      shared: Sequence[tuple[int, int, Held, bytes, int]] = ()) -> list[int]: ...
+    def settle_local_writes(self, timeout_s: float) -> None: ...
 
 
 class TensorIndex:
@@ -102,6 +105,9 @@ def answer_offer(keeper: _Receiving, index: TensorIndex, rank: int, manifest: by
     candidates = dedup_candidates(tensors)
     have: list[int] = []
     if candidates:
+        # a local rank capturing now most likely captures the same step: its snapshot
+        # holds the offered replicated tensors, so wait for it (briefly) to share them
+        keeper.settle_local_writes(OFFER_SETTLE_S)
         wanted = {(tensors[i][2], tensors[i][1]) for i in candidates}
         found = index.find(keeper.ready_snapshots(), wanted)
         have = [i for i in candidates if (tensors[i][2], tensors[i][1]) in found]
@@ -152,18 +158,17 @@ def _store_push(keeper: _Receiving, index: TensorIndex, rank: int, step: int, ma
     if payload.nbytes != expected:
         raise ReplicaInvalid(f"replica push of rank {rank} step {step} carries "
                              f"{payload.nbytes} bytes, the layout needs {expected}")
-    copies = _resolve(keeper, index, rank, step, [tensors[i] for i in reuse])
+    shared = _resolve(keeper, index, rank, step, [tensors[i] for i in reuse])
 
     def fill(view: memoryview) -> None:
-        for dst, nbytes, held, src_manifest, src in copies:
-            _copy_held(keeper, view, dst, nbytes, held, src_manifest, src, rank, step)
         for index, parts in enumerate(iter_chunks(segments, chunk_bytes)):
             receive_chunk(payload, view, parts, algo, index)
 
-    evicted = keeper.store_replica(rank, step, manifest, size, fill)
+    # the reused tensors stay where this keeper already holds them (one copy per node)
+    evicted = keeper.store_replica(rank, step, manifest, size, fill, shared)
     held_steps = keeper.holdings().get(rank, {}).get("replica", [])
-    return {"evicted": evicted, "held": held_steps, "received": size - sum(c[1] for c in copies),
-            "reused": sum(c[1] for c in copies)}
+    return {"evicted": evicted, "held": held_steps, "received": size - sum(c[1] for c in shared),
+            "reused": sum(c[1] for c in shared)}
 
 
 def _resolve(keeper: _Receiving, index: TensorIndex, rank: int, step: int,
@@ -181,20 +186,6 @@ def _resolve(keeper: _Receiving, index: TensorIndex, rank: int, step: int,
         held, manifest, src = source
         out.append((offset, nbytes, held, manifest, src))
     return out
-
-
-def _copy_held(keeper: _Receiving, view: memoryview, dst: int, nbytes: int, held: Held,
-               manifest: bytes, src: int, rank: int, step: int) -> None:
-    if not keeper.pin_held(held, manifest):
-        raise SnapshotNotFound(f"keeper {keeper.node}: a tensor reused by rank {rank} step "
-                               f"{step} left memory during the push; offer again")
-    try:
-        with held.buf.view(held.used) as source:
-            for at in range(0, nbytes, _COPY_SLICE):
-                n = min(_COPY_SLICE, nbytes - at)
-                view[dst + at:dst + at + n] = source[src + at:src + at + n]
-    finally:
-        keeper.unpin(held)
 
 
 def receive_chunk(payload: IncomingPayload, view: memoryview, parts: Sequence[Range],

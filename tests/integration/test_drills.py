@@ -245,7 +245,19 @@ def check_kill_before_commit(run: Run) -> None:
     assert {f"rank_{r}_w{r}-g1" for r in (0, 2, 3)} <= started, sorted(started)
 
 
+def check_corrupted_replica(run: Run) -> None:
+    """Rank 1's replica on node 0 kept the replicated tensors as references to node 0's own
+    ranks' snapshots (one copy per node), and the restore read it bit-identically (the
+    scenario's restore_source and final_state checks)."""
+    shared = [e for e in run.named("replica_shared") if e["node"] == "node0"]
+    assert {e["rank"] for e in shared} == {1, 3}, run.named("replica_shared")
+    assert all(0 < e["shared_bytes"] < e["rank_bytes"] for e in shared), shared
+    restored = [e["source_kind"] for e in run.named("rank_restored") if e.get("rank") == 1]
+    assert restored == ["replica"], run.named("rank_restored")
+
+
 DEEPER = {"kill_worker": check_kill_worker, "hang_worker": check_hang_worker,
+          "corrupted_replica": check_corrupted_replica,
           "kill_before_commit": check_kill_before_commit,
           "kill_node": check_kill_node, "tier_fallback": check_tier_fallback,
           "spare_exhausted": check_spare_exhausted, "node_partition": check_node_partition,

@@ -142,7 +142,7 @@ def test_replicas_retention_and_stats(keeper, client):
     resident = stats.pop("resident_bytes")      # (pages: what was written and still held)
     assert 2 * n <= resident <= 5 * n
     assert stats == {"local_bytes": 2 * n, "replica_bytes": 2 * n, "free_bytes": n, "files": 5,
-                     "ranks_local": 1, "ranks_replica": 1}
+                     "shared_bytes": 0, "ranks_local": 1, "ranks_replica": 1}
     assert client.holdings()[7] == {"local": [], "replica": [3, 4], "writing": False}
     assert client.drop(None, below_step=5) == {"local": [4], "replica": [3, 4]}
     assert client.holdings()[0]["local"] == [5]

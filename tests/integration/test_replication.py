@@ -14,7 +14,9 @@ from typing import Callable
 import pytest
 import torch
 
-from phalanx.runtime.replication import receiver as replica_receiver, wire as replica_wire
+from phalanx.runtime.replication import (pusher as replica_pusher, receiver as replica_receiver,
+                                         wire as replica_wire)
+from phalanx.runtime.keeper.shm import allocated_bytes
 from phalanx.runtime.node import node_keeper
 from phalanx.runtime.keeper.daemon import Keeper, KeeperClient, SlotBusy, owned_names
 from phalanx.runtime.replication.pusher import Replicator
@@ -40,8 +42,13 @@ class _Worker:
 
     def publish(self, step: int, generation: int = 1, keep: bool = False) -> bytes | None:
         """Snapshot ``tensors`` as ``step``; with ``keep``, returns a copy of the payload."""
-        slot, path = self.keeper.claim(self.rank)
-        buf = self.maps[path]
+        slot, _ = self.keeper.claim(self.rank)
+        return self.publish_claimed(slot, step, generation, keep)
+
+    def publish_claimed(self, slot: int, step: int, generation: int = 1,
+                        keep: bool = False) -> bytes | None:
+        """``publish`` into a slot already claimed."""
+        buf = self.maps[self.keeper._local[self.rank].slots[slot].buf.path]
         write_into(buf, self.layout, self.tensors)
         manifest = make_manifest(self.layout, checksums(buf, self.layout), job=self.keeper.job,
                                  rank=self.rank, step=step, generation=generation,
@@ -196,10 +203,96 @@ def test_identical_ranks_are_not_sent_twice(keepers, cleanup):
     assert dedup["bytes_saved"] == tensor_bytes
     assert dedup["bytes_sent"] < full["bytes_sent"] - tensor_bytes + 256
     assert rep.stats()["bytes_saved"] == tensor_bytes
+    # one copy per node: rank 1's replica keeps rank 0's replica's bytes, not a copy, and
+    # reads the same once rank 0's replica is forgotten (its map stays while shared)
+    assert keepers["b"].stats()["shared_bytes"] == tensor_bytes
+    assert keepers["b"].drop(0, below_step=2) == {"local": [], "replica": [1]}
     with KeeperClient(*keepers["b"].address, SECRET, keepers["b"].job, generation=1) as client:
         _, raw_manifest, payload = client.get(1, 1)
     assert bytes(payload) == original
     read_tensors(payload, verify_against=Manifest.from_json(raw_manifest))
+
+
+def _resident(keeper: Keeper, rank: int, kind: str) -> int:
+    return sum(allocated_bytes(f["path"]) for f in keeper.snapshot_files(rank)
+               if f["kind"] == kind)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_replica_keeps_one_copy_per_node_until_a_claim_needs_the_slot_it_shares(
+        keepers, cleanup):
+    """Data-parallel ranks 0 (node a) and 1 (node b) snapshot the same replicated
+    tensors: rank 1's replica on a holds references to rank 0's own slot, not a second
+    copy, reads back byte for byte (streamed and borrowed), and once rank 0's worker
+    needs that slot again the replica copies the bytes in first."""
+    tensors = _tensors(11)
+    local = _Worker(keepers["a"], 0, {k: v.clone() for k, v in tensors.items()})
+    peer = _Worker(keepers["b"], 1, tensors)
+    cleanup(local)
+    cleanup(peer)
+    tensor_bytes = sum(t.numel() * 4 for t in tensors.values())
+    local.publish(1)
+    original = peer.publish(1, keep=True)
+    assert original is not None and tensor_bytes >= replica_pusher.OFFER_MIN_BYTES
+    events = _Events()
+    rep = _replicator(keepers, "b", cleanup, on_event=events)
+    rep.set_targets(1, {1: ["a"]}, _addresses(keepers))
+    rep.start()
+    pushed = events.wait(lambda e: e["event"] == "replica_pushed")
+    assert pushed["bytes_saved"] == tensor_bytes
+    holder = keepers["a"]
+    assert holder.stats()["shared_bytes"] == tensor_bytes
+    own = _resident(holder, 0, "own")
+    assert own >= tensor_bytes
+    assert _resident(holder, 1, "replica") <= len(original) - tensor_bytes + 2 * mmap.PAGESIZE
+
+    def read_back() -> None:
+        with KeeperClient(*holder.address, SECRET, holder.job, generation=1) as client:
+            step, raw_manifest, payload = client.get(1, 1)
+            assert step == 1 and bytes(payload) == original
+            read_tensors(payload, verify_against=Manifest.from_json(raw_manifest))
+            with client.borrow(1, 1) as (step, _, view):
+                assert step == 1 and bytes(view) == original
+
+    read_back()
+    # rank 0 trains on: step 2 goes to its other slot, step 3 needs the shared one
+    local.tensors["p0"].add_(1.0)
+    local.publish(2)
+    local.tensors["p0"].add_(1.0)
+    local.publish(3)
+    assert holder.holdings()[0]["local"] == [2, 3]
+    assert holder.stats()["shared_bytes"] == 0
+    assert _resident(holder, 1, "replica") >= len(original) - mmap.PAGESIZE
+    read_back()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+def test_an_offer_waits_briefly_for_a_local_capture_in_flight(keepers, cleanup):
+    """The tensors a local rank is capturing now are the ones a peer's replica of the
+    same step shares: the offer waits for that publish (bounded), not for anything else."""
+    keeper = keepers["a"]
+    worker = _Worker(keeper, 0, _tensors(5))
+    cleanup(worker)
+    started = time.monotonic()
+    keeper.settle_local_writes(5.0)
+    assert time.monotonic() - started < 0.1          # nothing is being written
+    slot, _ = keeper.claim(0)
+    publisher = threading.Timer(0.3, worker.publish_claimed, args=(slot, 1))
+    publisher.start()
+    try:
+        started = time.monotonic()
+        keeper.settle_local_writes(5.0)
+        waited = time.monotonic() - started
+    finally:
+        publisher.join()
+    assert 0.25 <= waited < 4.0, waited
+    assert keeper.holdings()[0]["local"] == [1]
+    slot, _ = keeper.claim(0)                         # a writer that never publishes
+    started = time.monotonic()
+    keeper.settle_local_writes(0.3)
+    assert 0.25 <= time.monotonic() - started < 2.0
 
 
 @pytest.mark.integration

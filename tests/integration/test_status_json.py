@@ -27,7 +27,8 @@ SCHEMA: dict[str, Any] = {
     "committed_step": int, "world_size": int, "ranks": [{
         "rank": int, "worker": str, "node": str, "step": int, "generation": int, "state": str,
         "heartbeat_age_s": NUMBER}],
-    "keepers": [{"node": str, "bytes_held": int, "local": dict, "replicas": dict}],
+    "keepers": [{"node": str, "bytes_held": int, "bytes_shared": int, "local": dict,
+                 "replicas": dict}],
     "events": [{"event": str, "time": NUMBER}],
     "goodput": {"wall_s": NUMBER, "effective": NUMBER, "startup_s": NUMBER,
                 "productive_s": NUMBER, "redone_s": NUMBER, "snapshot_stall_s": NUMBER,

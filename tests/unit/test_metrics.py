@@ -165,9 +165,9 @@ def test_tier_events_give_latency_bytes_commits_and_failures() -> None:
 
 
 def report(node: str, local: dict[int, tuple[int, ...]], replicas: dict[int, tuple[int, ...]],
-           bytes_held: int = 0) -> KeeperReport:
+           bytes_held: int = 0, bytes_shared: int = 0) -> KeeperReport:
     return KeeperReport(node=node, address=("127.0.0.1", 1), local=local, replicas=replicas,
-                        bytes_held=bytes_held)
+                        bytes_held=bytes_held, bytes_shared=bytes_shared)
 
 
 def test_replication_lag_per_node_in_steps_and_bytes() -> None:
@@ -181,6 +181,11 @@ def test_replication_lag_per_node_in_steps_and_bytes() -> None:
     assert lag["node0"] == (2, 2 * 100)       # rank 0: 0 behind, rank 2: 11 - 9 = 2
     assert lag["node1"] == (2, 2 * 100)       # rank 1: 12 - 10
     assert replication_lag(reports, copies=0) == {"node0": (0, 0), "node1": (0, 0)}
+    # replicas sharing their tensors with the node's own copies hold fewer pages: a
+    # copy's size is what is held plus what is shared
+    shared = {**reports, "node0": report("node0", {0: (11, 12), 2: (10, 11)}, {1: (9, 10)},
+                                         bytes_held=4 * 100, bytes_shared=2 * 100)}
+    assert replication_lag(shared, copies=1)["node0"] == (2, 2 * 100)
     lone = replication_lag({"node0": report("node0", {0: (0,)}, {}, 100)}, copies=1)
     assert lone == {"node0": (1, 100)}        # no replica yet: its one snapshot is behind
 

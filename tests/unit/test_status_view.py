@@ -166,3 +166,21 @@ def test_a_killed_launcher_s_run_is_reconstructed_and_exits_3(tmp_path: Path,
     text = out.getvalue() + capfd.readouterr().err
     assert "is not running" in text and "job demo dead: 30 steps" in text
     assert "Connection refused" not in text and "UNAVAILABLE" not in text
+
+
+def test_the_keepers_view_shows_the_replica_bytes_each_keeper_shares() -> None:
+    """One copy per node: a keeper's replicas of data-parallel peers keep references to its
+    own ranks' snapshots; the view says how much (and the JSON carries it)."""
+    doc = simulated(16)
+    for keeper in doc["keepers"]:
+        keeper["bytes_shared"] = 5 * 2**20
+    text = render(doc)
+    assert "shared MiB" in text and "5.0" in text
+    reports = {f"node{n}": KeeperReport(f"node{n}", ("127.0.0.1", 7000 + n), local={n: (1,)},
+                                        bytes_held=2**20, bytes_shared=3 * 2**20, generation=1)
+               for n in (0, 1)}
+    again = KeeperReport.from_json(reports["node0"].to_json())
+    assert again.bytes_shared == 3 * 2**20
+    doc = live_document({"job": "small", "world_size": 2}, Path("/runs/small-1"), {}, 1, 1,
+                        reports, [], [], GOODPUT, NOW)
+    assert [k["bytes_shared"] for k in doc["keepers"]] == [3 * 2**20] * 2

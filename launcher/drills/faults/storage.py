@@ -69,8 +69,9 @@ def corrupt_snapshot(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:
     if not files:
         raise ConfigError(f"faults[{spec.index}].params.where", f"rank {rank} has no {where} "
                           "snapshot in any keeper yet", "trigger the fault later (at_step)")
-    for held in files:
-        held["offset"] = flip_file(held["path"], held["nbytes"] // 2, spec.params["bit"])
+    for held in files:      # (a replica's middle byte may lie in a snapshot it shares)
+        path, offset = held.get("middle") or (held["path"], held["nbytes"] // 2)
+        held["offset"] = flip_file(path, offset, spec.params["bit"])
     return {"where": where, "copies": [{k: f[k] for k in ("node", "step", "offset")}
                                        for f in files]}
 
