@@ -84,7 +84,6 @@ class Keeper:
         # placement, -> the committed step then: released once a newer step commits
         self._departed: dict[tuple[str, int], int] = {}
         self._publish_listeners: list[Callable[[], None]] = []
-        self._publishes: dict[int, int] = {}    # rank -> snapshots published (offers wait)
         self._sharing: set[int] = set()         # ranks whose replicas shared bytes here
         self._ops = dict(ops or {})       # served through the op port (e.g. replication's)
         # every registered op is fenced unless it says otherwise (``wire.Unfenced``)
@@ -120,6 +119,14 @@ class Keeper:
             self._closed = True
             held = [h for t in self._local.values() for h in t.slots + t.retired]
             held += [h for lst in self._replicas.values() for h in lst]
+            # (and what they reference: a source forgotten before is mapped still)
+            seen, todo = {id(h) for h in held}, list(held)
+            while todo:
+                for ref in todo.pop().refs:
+                    if id(ref.source) not in seen:
+                        seen.add(id(ref.source))
+                        held.append(ref.source)
+                        todo.append(ref.source)
             buffers = [h.buf for h in held] + self._free
             self._local, self._replicas, self._free = {}, {}, []
         for buf in buffers:
@@ -325,7 +332,6 @@ class Keeper:
                 if other.state == "ready" and other.step == step:
                     other.state = "empty"
             held.state, held.step, held.manifest, held.used = "ready", step, manifest, nbytes
-            self._publishes[rank] = self._publishes.get(rank, 0) + 1
             for old in table.retired:
                 self._doom(old)
             table.retired = []
@@ -476,7 +482,10 @@ class Keeper:
                 self._release_refs(new)
             self._refuse_if_closed([new.buf])
             for source in {id(r.source): r.source for r in new.refs}.values():
-                source.yielding.append(_Materializer(self, new))
+                materialize = _Materializer(self, new, source)
+                source.yielding.append(materialize)
+                if source.doomed:   # (a forgotten replica still held a tensor)
+                    materialize()
             held = self._replicas.setdefault(rank, [])
             for old in [h for h in held if h.step == step]:
                 held.remove(old)
@@ -501,36 +510,45 @@ class Keeper:
                                 "shared_bytes": shared, "rank_bytes": new.used})
         return [h.step for h in evicted]
 
-    def _materialize(self, thin: Held) -> None:
-        """A claim needs a slot ``thin`` references (``_Materializer``, a thread): copy the
-        referenced bytes in, then let go of the sources once no reader reads through them.
-        A copy that fails (tmpfs full) forgets the replica instead: the claim goes on."""
+    def _materialize(self, thin: Held, source: Held) -> None:
+        """A claim needs ``source``, a slot ``thin`` references, or ``source`` was forgotten
+        (``_Materializer``, a thread): copy the bytes ``thin`` shares with it in, then let
+        go of ``source`` once no reader of ``thin`` reads through it. Its other references
+        stay. A copy that fails (tmpfs full) forgets the replica instead; a replica
+        forgotten meanwhile needs no copy: it keeps its references until its last reader
+        goes (``_close_held``)."""
+        refs = [r for r in thin.refs if r.source is source]
+        failed: Exception | None = None
         try:
-            thin.buf.reserve_ranges([(r.offset, r.nbytes) for r in thin.refs])
-            copy_refs_in(thin)
-            failed = None
+            thin.buf.reserve_ranges([(r.offset, r.nbytes) for r in refs])
+            copy_refs_in(thin, refs)
         except Exception as exc:  # noqa: BLE001 - thread boundary
             failed = exc
         with self._cond:
-            while thin.pins > 1 and failed is None and not self._closed:
-                self._cond.wait(1.0)       # a reader still reads through the references
-            if failed is not None:
+            if failed is not None and not thin.doomed:
                 log.warning("keeper.materialize_failed node=%s rank=%d step=%d error=%s",
                             self.node, thin.rank, thin.step, failed)
                 listed = self._replicas.get(thin.rank, [])
                 if thin in listed:
                     listed.remove(thin)
-                    thin.state = "empty"
-                    self._doom(thin)
-            self._release_refs(thin)
-            thin.materializing = False
+                self._doom(thin)
+            # its readers (not other replicas' references to its own bytes, nor the copies
+            # in flight) may read through the references
+            while (thin.pins - thin.ref_pins - thin.copying > 0 and not thin.doomed
+                   and not self._closed):
+                self._cond.wait(1.0)
+            if not thin.doomed:
+                thin.refs = tuple(r for r in thin.refs if r.source is not source)
+                self._unpin_sources(refs, thin)
+            thin.copying -= 1
             thin.pins -= 1
             if thin.doomed and thin.pins == 0:
                 self._close_held(thin)
             self._cond.notify_all()
         if failed is None:
-            log.debug("keeper.materialized node=%s rank=%d step=%d", self.node, thin.rank,
-                      thin.step)
+            log.debug("keeper.materialized node=%s rank=%d step=%d from_rank=%d bytes=%d",
+                      self.node, thin.rank, thin.step, source.rank,
+                      sum(r.nbytes for r in refs))
 
     def _take_free(self, nbytes: int) -> ShmBuffer | None:
         with self._cond:
@@ -600,28 +618,36 @@ class Keeper:
             self._cond.notify_all()
 
     def ready_snapshots(self) -> list[Held]:
-        """Every ready snapshot held, replicas first (never claimed by a worker, so the
-        better source to share), then local slots. Read fields only under the lock
-        (``store_replica`` checks them again)."""
+        """Every ready full snapshot held (what replicas may share), newest step first, and
+        of one step replicas first (never claimed by a worker, so the better source to
+        share), then local slots. Per-rank channels are left out: their slots turn over
+        every step, so a replica sharing a few of their bytes (an RNG state equal on every
+        rank) would have to copy itself whole at the next step (measured: every replica of
+        the transformer bench did). Read fields only under the lock (``store_replica``
+        checks them again)."""
         with self._cond:
-            replicas = [h for lst in self._replicas.values() for h in lst if h.state == "ready"]
-            local = [h for t in self._local.values() for h in t.slots + t.retired
-                     if h.state == "ready"]
-            return replicas + local
+            replicas = [h for rank, lst in self._replicas.items() if not is_channel(rank)
+                        for h in lst if h.state == "ready"]
+            local = [h for rank, t in self._local.items() if not is_channel(rank)
+                     for h in t.slots + t.retired if h.state == "ready"]
+            # newest first: an older local slot is the one the worker's next claim needs
+            return sorted(replicas + local, key=lambda h: -h.step)
 
-    def settle_local_writes(self, timeout_s: float) -> None:
-        """Wait (up to ``timeout_s``) until every local rank that is writing a snapshot now
-        has published one: an offer's dedup then finds that snapshot's tensors."""
+    def settle_local_writes(self, step: int, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) until no local rank that holds a slot claimed for
+        writing has published only steps older than ``step``: a peer's replica of ``step``
+        on offer most likely shares that rank's capture of it in flight. (A claimed slot
+        alone says little: the worker claims its next slot as soon as it publishes.)"""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            waiting = {rank: self._publishes.get(rank, 0) for rank, table in self._local.items()
-                       if not is_channel(rank) and any(h.state == "writing" for h in table.slots)}
-            while waiting:
-                waiting = {rank: n for rank, n in waiting.items()
-                           if self._publishes.get(rank, 0) == n and rank in self._local
-                           and any(h.state == "writing" for h in self._local[rank].slots)}
+            while True:
+                behind = [rank for rank, table in self._local.items()
+                          if not is_channel(rank)
+                          and any(h.state == "writing" for h in table.slots)
+                          and max((h.step for h in table.slots if h.state == "ready"),
+                                  default=-1) < step]
                 left = deadline - time.monotonic()
-                if not waiting or left <= 0:
+                if not behind or left <= 0:
                     return
                 self._cond.wait(left)
 
@@ -631,6 +657,9 @@ class Keeper:
         held.buf.unlink()
         if held.pins == 0:
             self._close_held(held)
+        # replicas sharing its bytes copy them in, so its memory goes with its readers
+        for materialize in [c for c in held.yielding if isinstance(c, _Materializer)]:
+            materialize()
 
     def drop(self, rank: int | None, below_step: int | None = None,
              above_step: int | None = None) -> dict[str, list[int]]:
@@ -838,6 +867,8 @@ class Keeper:
             for kind, h in held:
                 nbytes = h.used or h.buf.nbytes
                 where, at = locate(h, nbytes // 2, 1) or (h, nbytes // 2)
+                if where.doomed:            # (its file is gone: only its map is left)
+                    where, at = h, nbytes // 2
                 out.append({"step": h.step, "kind": kind, "path": h.buf.path, "nbytes": nbytes,
                             "middle": [where.buf.path, at]})
             return out
@@ -873,18 +904,20 @@ class Keeper:
 
 
 class _Materializer:
-    """The claim callback of a replica's pin on a source it references: called under the
-    keeper's lock when a worker's claim needs that slot, it starts the copy of the
-    referenced bytes into the replica (``Keeper._materialize``) and returns at once."""
+    """The claim callback of a replica's pin on one source it references: called under the
+    keeper's lock when a worker's claim needs that slot (or the source is forgotten), it
+    starts the copy of the bytes shared with that source into the replica
+    (``Keeper._materialize``) and returns at once."""
 
-    def __init__(self, keeper: Keeper, thin: Held) -> None:
-        self.keeper, self.thin = keeper, thin
+    def __init__(self, keeper: Keeper, thin: Held, source: Held) -> None:
+        self.keeper, self.thin, self.source = keeper, thin, source
 
     def __call__(self) -> None:
-        thin = self.thin
-        if thin.materializing or not thin.refs:
-            return
-        thin.materializing = True
+        thin, source = self.thin, self.source
+        if thin.doomed or all(r.source is not source for r in thin.refs):
+            return      # (a forgotten replica lets go of its references with its last reader)
+        source.yielding = [c for c in source.yielding if c is not self]   # called once
+        thin.copying += 1
         thin.pins += 1          # the copy's own pin: the replica stays mapped meanwhile
-        threading.Thread(target=self.keeper._materialize, args=(thin,), daemon=True,
+        threading.Thread(target=self.keeper._materialize, args=(thin, source), daemon=True,
                          name=f"materialize-{self.keeper.node}-{thin.rank}").start()

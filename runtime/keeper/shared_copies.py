@@ -85,11 +85,11 @@ def payload_bytes(held: Held) -> bytes:
             view.release()
 
 
-def copy_refs_in(held: Held) -> None:
-    """Copy every referenced range into ``held``'s own buffer (its sources pinned, its
+def copy_refs_in(held: Held, refs: Iterable[Ref]) -> None:
+    """Copy these references' ranges into ``held``'s own buffer (their sources pinned, its
     pages for those ranges reserved by the caller)."""
     with held.buf.view(held.used) as dst:
-        for ref in held.refs:
+        for ref in refs:
             with ref.source.buf.view(ref.at + ref.nbytes) as src:
                 for at in range(0, ref.nbytes, _COPY_SLICE):
                     n = min(_COPY_SLICE, ref.nbytes - at)

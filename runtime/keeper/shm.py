@@ -176,7 +176,7 @@ class Held:
     # distinct source is pinned once for it (``ref_pins`` counts such pins of this one)
     refs: tuple["Ref", ...] = ()
     ref_pins: int = 0
-    materializing: bool = False
+    copying: int = 0        # sources whose bytes are being copied in (each holds a pin)
 
 
 @dataclass(frozen=True, eq=False)

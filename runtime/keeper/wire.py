@@ -296,6 +296,7 @@ class KeeperClient:
             mapping: mmap.mmap | None = None
             if reply.get("shared"):     # a replica sharing ranges: copied through the socket
                 view = memoryview(self.get(rank, reply["step"])[2]).toreadonly()
+                self._give_back(reply["token"])     # (the copy needs no pin)
             else:
                 mapping = _map_readonly(reply["path"], reply["size"])
                 view = memoryview(mapping)
@@ -307,11 +308,15 @@ class KeeperClient:
                     if mapping is not None:
                         mapping.close()
         finally:
-            try:
-                self._call({"op": "give_back", "token": reply["token"]})
-            except (KeeperRequestInvalid, PeerUnreachable) as exc:
-                # the loan ended with the connection that took it
-                log.debug("keeper.give_back_skipped token=%s error=%s", reply["token"], exc)
+            if not reply.get("shared"):
+                self._give_back(reply["token"])
+
+    def _give_back(self, token: int) -> None:
+        try:
+            self._call({"op": "give_back", "token": token})
+        except (KeeperRequestInvalid, PeerUnreachable) as exc:
+            # the loan ended with the connection that took it
+            log.debug("keeper.give_back_skipped token=%s error=%s", token, exc)
 
     def get_into(self, rank: int, dest: memoryview,
                  step: int | None = None) -> tuple[int, bytes, int]:

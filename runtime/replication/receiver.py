@@ -39,7 +39,7 @@ class _Receiving(Protocol):
     def store_replica(self, rank: int, step: int, manifest: bytes, nbytes: int,
                       fill: Callable[[memoryview], None],
                       shared: Sequence[tuple[int, int, Held, bytes, int]] = ()) -> list[int]: ...
-    def settle_local_writes(self, timeout_s: float) -> None: ...
+    def settle_local_writes(self, step: int, timeout_s: float) -> None: ...
 
 
 class TensorIndex:
@@ -87,7 +87,7 @@ class ReplicaReceiver:
         h = request.header
         manifest = read_manifest(request, request.payload.remaining)
         return Reply(answer_offer(keeper, self.tensor_index, header_int(h, "rank"), manifest,
-                                  header_int(h, "size")))
+                                  header_int(h, "size"), header_int(h, "step", -1)))
 
     def _push(self, keeper: _Receiving, request: Request) -> Reply:
         h = request.header
@@ -97,7 +97,7 @@ class ReplicaReceiver:
 
 
 def answer_offer(keeper: _Receiving, index: TensorIndex, rank: int, manifest: bytes,
-                 size: int) -> dict[str, Any]:
+                 size: int, step: int = -1) -> dict[str, Any]:
     """Reply to replica_offer: the offered tensors this keeper holds, and the steps of
     ``rank`` it holds as replicas (a push of one of those is not needed), with the
     ``check`` the sender verifies (so a rank or manifest changed in flight is noticed)."""
@@ -105,9 +105,9 @@ def answer_offer(keeper: _Receiving, index: TensorIndex, rank: int, manifest: by
     candidates = dedup_candidates(tensors)
     have: list[int] = []
     if candidates:
-        # a local rank capturing now most likely captures the same step: its snapshot
-        # holds the offered replicated tensors, so wait for it (briefly) to share them
-        keeper.settle_local_writes(OFFER_SETTLE_S)
+        # a local rank still capturing ``step`` holds the offered replicated tensors once
+        # it publishes: wait for it (briefly) to share them
+        keeper.settle_local_writes(step, OFFER_SETTLE_S)
         wanted = {(tensors[i][2], tensors[i][1]) for i in candidates}
         found = index.find(keeper.ready_snapshots(), wanted)
         have = [i for i in candidates if (tensors[i][2], tensors[i][1]) in found]

@@ -271,27 +271,31 @@ def test_a_replica_keeps_one_copy_per_node_until_a_claim_needs_the_slot_it_share
 @pytest.mark.timeout(30)
 def test_an_offer_waits_briefly_for_a_local_capture_in_flight(keepers, cleanup):
     """The tensors a local rank is capturing now are the ones a peer's replica of the
-    same step shares: the offer waits for that publish (bounded), not for anything else."""
+    same step shares: the offer waits for that publish (bounded), not for a slot claimed
+    ahead by a rank that already published the step, nor without a claim."""
     keeper = keepers["a"]
     worker = _Worker(keeper, 0, _tensors(5))
     cleanup(worker)
     started = time.monotonic()
-    keeper.settle_local_writes(5.0)
+    keeper.settle_local_writes(1, 5.0)
     assert time.monotonic() - started < 0.1          # nothing is being written
     slot, _ = keeper.claim(0)
     publisher = threading.Timer(0.3, worker.publish_claimed, args=(slot, 1))
     publisher.start()
     try:
         started = time.monotonic()
-        keeper.settle_local_writes(5.0)
+        keeper.settle_local_writes(1, 5.0)
         waited = time.monotonic() - started
     finally:
         publisher.join()
     assert 0.25 <= waited < 4.0, waited
     assert keeper.holdings()[0]["local"] == [1]
-    slot, _ = keeper.claim(0)                         # a writer that never publishes
+    keeper.claim(0)                   # claimed ahead (as a worker does after a publish) ...
     started = time.monotonic()
-    keeper.settle_local_writes(0.3)
+    keeper.settle_local_writes(1, 5.0)  # ... for a step after the one on offer: no wait
+    assert time.monotonic() - started < 0.1
+    started = time.monotonic()
+    keeper.settle_local_writes(2, 0.3)  # the offer's step is not published: bounded wait
     assert 0.25 <= time.monotonic() - started < 2.0
 
 

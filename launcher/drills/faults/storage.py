@@ -69,9 +69,13 @@ def corrupt_snapshot(spec: FaultSpec, env: FaultEnv) -> Mapping[str, Any]:
     if not files:
         raise ConfigError(f"faults[{spec.index}].params.where", f"rank {rank} has no {where} "
                           "snapshot in any keeper yet", "trigger the fault later (at_step)")
-    for held in files:      # (a replica's middle byte may lie in a snapshot it shares)
+    flipped: set[tuple[str, int]] = set()
+    for held in files:      # (a replica's middle byte may lie in a snapshot it shares:
         path, offset = held.get("middle") or (held["path"], held["nbytes"] // 2)
-        held["offset"] = flip_file(path, offset, spec.params["bit"])
+        if (path, offset) not in flipped:    # flipped twice, a bit would come back)
+            flipped.add((path, offset))
+            flip_file(path, offset, spec.params["bit"])
+        held["offset"] = offset
     return {"where": where, "copies": [{k: f[k] for k in ("node", "step", "offset")}
                                        for f in files]}
 
