@@ -64,7 +64,9 @@ class MemoryPlan:
         return (f"{self.shared_nodes} node(s) x ({self.ranks_on_node} rank(s) x {self.slots} "
                 f"slots + {self.ranks_on_node * self.copies} replicated rank(s) x {replicas} "
                 f"buffers) x {per_rank_bytes} bytes = {self.tmpfs_bytes(per_rank_bytes)} bytes "
-                f"({_gib(self.tmpfs_bytes(per_rank_bytes))})")
+                f"({_gib(self.tmpfs_bytes(per_rank_bytes))}; the worst case: a replica shares "
+                f"the replicated state a node's own ranks hold, one copy per node, until a "
+                f"claim makes it copy the bytes in)")
 
 
 def job_bytes_held(shm_dir: str, job: str) -> int:

@@ -47,6 +47,7 @@ def test_plan_counts_slots_and_replicas_of_every_node_sharing_the_tmpfs() -> Non
     assert plan.tmpfs_bytes(100) == 2 * plan.node_bytes(100)
     assert _plan(copies=0).tmpfs_bytes(100) == 2 * 100 * 2 * 3
     assert "2 node(s)" in plan.describe(100) and f"{plan.tmpfs_bytes(100)} bytes" in plan.describe(100)
+    assert "one copy per node" in plan.describe(100)
 
 
 @pytest.mark.unit
