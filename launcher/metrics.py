@@ -67,7 +67,8 @@ def replication_lag(reports: Mapping[str, KeeperReport], copies: int) -> dict[st
     that rank held as a replica by any other keeper (-1 when none holds one yet); the
     node's steps are the largest of its ranks', its bytes the sum over its ranks of lag
     steps x the node's bytes per snapshot copy (``bytes_held`` plus ``bytes_shared``, over
-    the copies held: reports carry no per-rank sizes). 0 for every node when replication is off (``copies`` 0)."""
+    the copies held: reports carry no per-rank sizes). 0 for every node when replication
+    is off (``copies`` 0)."""
     newest_replica: dict[int, dict[str, int]] = {}       # rank -> holder -> newest step
     for node, report in reports.items():
         for rank, steps in report.replicas.items():

@@ -29,8 +29,8 @@ from typing import Iterable
 
 from phalanx.runtime.keeper.shm import Held, Ref
 
-__all__ = ["locate", "own_ranges", "payload_views", "payload_bytes", "copy_refs_in",
-           "shared_bytes"]
+__all__ = ["locate", "own_ranges", "payload_views", "payload_bytes", "payload_view",
+           "copy_refs_in", "shared_bytes"]
 
 _COPY_SLICE = 16 << 20  # memcpy slices, so a large copy does not hold the GIL for long
 
@@ -83,6 +83,14 @@ def payload_bytes(held: Held) -> bytes:
     finally:
         for view in views:
             view.release()
+
+
+def payload_view(held: Held, nbytes: int | None = None) -> memoryview:
+    """One view of pinned ``held``'s first ``nbytes`` (all if None): its buffer's own map,
+    or a copy for a replica that shares ranges (readers that need one buffer meet such a
+    replica only when the rank's own slot of that step is gone). The caller releases it."""
+    size = held.used if nbytes is None else nbytes
+    return memoryview(payload_bytes(held))[:size] if held.refs else held.buf.view(size)
 
 
 def copy_refs_in(held: Held, refs: Iterable[Ref]) -> None:

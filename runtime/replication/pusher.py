@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 from phalanx.configs.errors import PhalanxError, SnapshotNotFound
 from phalanx.runtime.transport.frames import check_secret
 from phalanx.runtime.keeper.daemon import Keeper
-from phalanx.runtime.keeper.shared_copies import payload_bytes
+from phalanx.runtime.keeper.shared_copies import payload_view
 from phalanx.runtime.replication.wire import (CHUNK_DIGESTS, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES,
                                               ReplicaInvalid, ReplicaLink, dedup_candidates,
                                               push_nbytes, reused_ranges, sent_segments,
@@ -346,11 +346,7 @@ class _Sender:
         except SnapshotNotFound:
             return  # superseded since holdings(): the next tick takes the newer step
         try:
-            # (a replica of this rank at this step, if the local slot went: it may share
-            # ranges with other snapshots here, so it is read through them)
-            whole = (memoryview(payload_bytes(held)) if held.refs
-                     else held.buf.view(held.used))
-            with whole as view:
+            with payload_view(held) as view:
                 result = self._stream(link, generation, rank, step, held.manifest, view, check)
         except (_Preempted, PhalanxError) as exc:
             self._set_link(None)

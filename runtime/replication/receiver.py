@@ -24,7 +24,7 @@ from phalanx.runtime.transport.tcp import Reply, Request
 
 log = logging.getLogger(__name__)
 
-# How long an offer waits for this node's ranks to finish the captures they are writing
+# How long an offer waits for a local rank to publish its capture of the offered step
 # (a capture of a few hundred MB takes 0.1-0.3 s here); past it, the offer answers
 # from what is published.
 OFFER_SETTLE_S = 1.0

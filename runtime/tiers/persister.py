@@ -41,7 +41,7 @@ from phalanx.configs.errors import (SnapshotCorrupt, SnapshotNotFound, SnapshotO
                                     TierUnavailable)
 from phalanx.runtime.base import Tier
 from phalanx.runtime.keeper.daemon import Keeper
-from phalanx.runtime.keeper.shared_copies import payload_bytes
+from phalanx.runtime.keeper.shared_copies import payload_view
 from phalanx.runtime.tiers.cadence import pick_step
 from phalanx.runtime.tiers.slot_copy import Preempted, close_quietly, copy_unless, payload_size
 from phalanx.runtime.snapshot.format import verify_snapshot
@@ -373,8 +373,7 @@ class TierPersister:
             manifest = held.manifest
             size = payload_size(manifest, held.used, rank, step)
             try:
-                slot = (held.buf.view(size) if not held.refs else
-                        memoryview(payload_bytes(held))[:size])
+                slot = payload_view(held, size)
             except ValueError as exc:     # the keeper closed and unmapped the slot
                 raise SnapshotNotFound(f"keeper {self._keeper.node}: rank {rank} step "
                                        f"{step} is no longer mapped") from exc

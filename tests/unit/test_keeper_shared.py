@@ -16,6 +16,7 @@ from phalanx.configs.errors import SnapshotNotFound
 from phalanx.runtime.keeper.daemon import Keeper, SlotBusy, owned_names
 from phalanx.runtime.keeper.shared_copies import payload_bytes
 from phalanx.runtime.keeper.shm import Held, allocated_bytes
+from tests.integration.test_keeper import _write
 
 SHM = "/dev/shm"
 SIZE = 1 << 20
@@ -41,12 +42,7 @@ def _pattern(seed: int, n: int = SIZE) -> bytes:
 def _publish(keeper: Keeper, rank: int, step: int, payload: bytes) -> Held:
     """A local rank's worker: claim, write through its own map, publish."""
     slot, path = keeper.claim(rank)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        with mmap.mmap(fd, len(payload)) as mm:
-            mm[:] = payload
-    finally:
-        os.close(fd)
+    _write(path, payload)
     keeper.publish(rank, step, slot, f"m{rank}-{step}".encode(), len(payload))
     return _held(keeper, rank, step)
 
