@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from phalanx.configs.errors import WorkerFailed
+from phalanx.configs.errors import ReplicasNeverAgreed, WorkerFailed
 from phalanx.launcher.coordination.coordinator import RankSlot
 from phalanx.runtime.base import node_index, node_name
 from phalanx.launcher.coordination.node_watch import NodeWatch
@@ -24,8 +24,9 @@ from phalanx.runtime.keeper.memory_plan import MemoryPlanExceeded
 log = logging.getLogger(__name__)
 FINISH_GRACE_S = 0.5
 # What a worker raised that a replacement would raise too (its node's shared memory cannot
-# hold the job's snapshots): the job fails at once, naming it.
-NOT_RECOVERABLE = (f"{MemoryPlanExceeded.__name__}:",)
+# hold the job's snapshots; the ranks never started from the same state): the job fails at
+# once, naming it.
+NOT_RECOVERABLE = (f"{MemoryPlanExceeded.__name__}:", f"{ReplicasNeverAgreed.__name__}:")
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Iterable
 from phalanx.configs.errors import ReplicasNeverAgreed
 from phalanx.recovery.detection import SilentCorruption
 from phalanx.runtime.base import MemberRecord, Rank, Step
-from phalanx.runtime.consistency.digest import ReplicaStatus
+from phalanx.runtime.consistency.digest import ReplicaStatus, never_agreed_message
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +61,7 @@ class ReplicaCheck:
         if signal is None or (signal.generation, signal.step) in self._reported:
             return None
         if not self._agreed:
-            raise ReplicasNeverAgreed(
-                f"the replicated state {self._names} (detection.replicated_state) differed "
-                f"across ranks at step {signal.step}, the first step compared, and no step "
-                "ever agreed: the ranks did not start from the same state, which is not "
-                "silent corruption. Seed the initialisation identically on every rank or "
-                "broadcast it from rank 0 (DistributedDataParallel does), list only objects "
-                "that are identical on every rank in detection.replicated_state, or set "
-                "detection.compare_replicas: false")
+            raise ReplicasNeverAgreed(never_agreed_message(self._names, signal.step))
         self._reported.add((signal.generation, signal.step))
         log.error("event=sdc_signal step=%d verified=%d generation=%d digests=%s", signal.step,
                   signal.verified_step, signal.generation, dict(signal.digests))

@@ -81,6 +81,17 @@ def _unsharded(node: Any, sharded: set[str]) -> Any:
     return {k: _unsharded(v, sharded) for k, v in node.items()}
 
 
+def never_agreed_message(names: Sequence[str], step: int) -> str:
+    """What ``ReplicasNeverAgreed`` says, on a rank or in the launcher."""
+    return (f"the replicated state {list(names)} (detection.replicated_state) differed "
+            f"across ranks at step {step}, the first step compared, and no step ever "
+            "agreed: the ranks did not start from the same state, which is not silent "
+            "corruption. Seed the initialisation identically on every rank or broadcast it "
+            "from rank 0 (DistributedDataParallel does), list only objects that are "
+            "identical on every rank in detection.replicated_state, or set "
+            "detection.compare_replicas: false")
+
+
 def _chunks(value: int) -> list[int]:
     return [(value >> (CHUNK_BITS * i)) & _MASK for i in range(CHUNKS)]
 

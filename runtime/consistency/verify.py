@@ -21,6 +21,14 @@ of its capture instead of at b:
 A verified step is set before the claim that would evict it (it is then the second newest
 snapshot), and stays protected until a newer one is verified; after a divergence it is
 frozen until a rollback, so every rank's keeper holds the step the launcher rolls back to.
+
+Replicas that never agreed (unseeded initialisation: no rollback can fix it) are named by
+the ranks themselves in the job's first generation, where every rank is an original process
+and has read the same outcomes: a divergence there before any agreement raises
+``ReplicasNeverAgreed`` on every rank at the same step, and a clean finish compares the last
+capture once more (``final``), so a short or fast job cannot end before its comparisons had
+an outcome. Later generations hold replacements whose own history starts empty: there the
+launcher, which sees every rank's verified step, decides (``ReplicaCheck``).
 """
 from __future__ import annotations
 
@@ -32,12 +40,13 @@ from typing import AbstractSet, Any, Callable, Mapping, Sequence
 
 import torch
 
-from phalanx.configs.errors import ConfigError
+from phalanx.configs.errors import ConfigError, ReplicasNeverAgreed
 from phalanx.configs.loader import load_config_text
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.snapshot.spec_names import escape_segment
 from phalanx.runtime.consistency.digest import (Agreement, ReplicaStatus, agreement_vector,
-                                                read_agreement, replica_digest)
+                                                never_agreed_message, read_agreement,
+                                                replica_digest)
 
 log = logging.getLogger(__name__)
 RECENT = 4           # (step, digest) pairs a member record carries
@@ -95,6 +104,7 @@ class ReplicaVerifier:
         self._diverged: tuple[int, str, int] | None = None
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._previous: int | None = None        # the last capture of this generation
+        self._original = generation == 0         # the job's first generation, never reset
         snapshotter.on_published = self.published
 
     # -- publishing thread -----------------------------------------------------------
@@ -111,7 +121,9 @@ class ReplicaVerifier:
     # -- training thread -------------------------------------------------------------
     def collect(self, wait: Callable[[Any, torch.Tensor], torch.Tensor]) -> Agreement | None:
         """Read the comparison started at the previous snapshot step (before this step's
-        capture claims a slot); raises what ``wait`` raises (``CollectiveAborted``)."""
+        capture claims a slot); raises what ``wait`` raises (``CollectiveAborted``), and
+        ``ReplicasNeverAgreed`` for a divergence before any agreement in the job's first
+        generation (every rank reads the same outcome, so every rank raises)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -126,7 +138,17 @@ class ReplicaVerifier:
                 self._diverged = (outcome.step, mine, self._generation)
             log.error("event=replicas_diverged step=%d digest=%s verified=%d generation=%d",
                       outcome.step, mine, self._verified, self._generation)
+            if self._original and self._verified < 0:
+                raise ReplicasNeverAgreed(never_agreed_message(self.names, outcome.step))
         return outcome
+
+    def final(self, begin: Callable[[torch.Tensor], Any],
+              wait: Callable[[Any, torch.Tensor], torch.Tensor]) -> Agreement | None:
+        """At a clean finish, once the last capture is published: collect the comparison
+        in flight and compare the last capture (blocking). Raises as ``collect``."""
+        self.collect(wait)
+        self._compare(self._previous, begin)
+        return self.collect(wait)
 
     def start(self, step: int, begin: Callable[[torch.Tensor], Any]) -> None:
         """After the capture of ``step``: compare the previous capture's digest (every
@@ -161,6 +183,7 @@ class ReplicaVerifier:
         verified step stays (still held: a rollback drops only newer steps) unless the
         rollback went below it."""
         self._pending, self._previous, self._generation = None, None, generation
+        self._original = False
         with self._lock:
             self._diverged = None
             for old in [s for s in self._digests if s > step]:
@@ -176,6 +199,13 @@ class ReplicaVerifier:
     def diverged(self) -> bool:
         return self._diverged is not None
 
+    @property
+    def undecided(self) -> bool:
+        """In the job's first generation, no step agreed or diverged yet: whether the ranks
+        ever held the same state is still open (``final`` decides it at a clean finish)."""
+        return self._original and self._verified < 0 and self._diverged is None
+
     def status(self) -> ReplicaStatus:
         with self._lock:
             return ReplicaStatus(self._verified, tuple(self._recent), self._diverged)
+

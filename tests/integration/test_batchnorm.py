@@ -1,7 +1,8 @@
 """Only state that is replicated by construction is compared across ranks: a fault-free
 data-parallel job with BatchNorm (per-rank running statistics) finishes with no
 recovery, and ranks that never started from the same state fail naming that cause, not
-silent corruption."""
+silent corruption (the ranks themselves raise it, so a job faster than the launcher's
+polls cannot finish unnoticed)."""
 from __future__ import annotations
 
 import json
@@ -30,9 +31,12 @@ def test_a_batchnorm_model_trains_fault_free_with_no_recovery(tmp_path: Path) ->
     assert not [e for e in events if e["event"] in ("fault", "sdc_detected", "recovered")]
 
 
-def test_ranks_that_never_agreed_fail_naming_the_cause(tmp_path: Path) -> None:
-    result = launch("configs/demo.yaml", *JOB[:-1], "job.args={\"steps\": 30, \"seeded\": false}",
-                    run_root=tmp_path)
+@pytest.mark.parametrize("steps", [30, 1], ids=["mid_job", "ends_before_any_comparison"])
+def test_ranks_that_never_agreed_fail_naming_the_cause(tmp_path: Path, steps: int) -> None:
+    """Every rank names it, however fast the job runs: during the steps when a comparison
+    has an outcome, else at the finish (one step: no comparison ran before it)."""
+    result = launch("configs/demo.yaml", *JOB[:-1],
+                    f"job.args={{\"steps\": {steps}, \"seeded\": false}}", run_root=tmp_path)
     assert result.returncode == 1
     assert "ReplicasNeverAgreed" in result.stderr, result.stderr[-3000:]
     assert "did not start from the same state" in result.stderr
