@@ -142,6 +142,7 @@ def auto_snapshotter(captures: int = 4) -> Iterator[tuple[Keeper, KeeperClient, 
         snap = Snapshotter(client, job=job, rank=0, generation=0, secret=SECRET,
                            policy=SnapshotPolicy(every_steps="auto", overhead_budget=0.03))
         try:
+            snap.observe_step(1.0)     # a process's first step: no steady step, not counted
             snap.observe_step(0.05)
             for step in range(1, captures + 1):
                 snap.capture(step, AUTO_STATE)

@@ -92,6 +92,7 @@ def test_snapshotter_due_counts_from_the_last_capture() -> None:
     snapshotter = Snapshotter(no_keeper, job="j", rank=0, generation=0, secret=None,
                               policy=SnapshotPolicy("auto", 0.03), checksum_workers=1)
     try:
+        snapshotter.observe_step(5.0)                      # the first step: not counted
         snapshotter.observe_step(0.1)
         snapshotter._control.observe_work(0.008)          # 0.008 * 1.5 / (0.03 * 0.1) = 4
         snapshotter.rewind(10)
@@ -109,6 +110,7 @@ def test_a_tier_window_without_a_capture_makes_its_first_step_due() -> None:
                               policy=SnapshotPolicy("auto", 0.03, windows=(10, 25)),
                               checksum_workers=1)
     try:
+        snapshotter.observe_step(5.0)                      # the first step: not counted
         snapshotter.observe_step(0.01)
         snapshotter._control.observe_work(0.0079)      # 0.0079 * 1.5 / (0.03 * 0.01) -> 40
         assert snapshotter.interval == 40
@@ -196,3 +198,32 @@ def test_step_time_noise_alone_is_no_cost() -> None:
         control.observe_step(0.060 + sign * 0.010)
     assert control.cost_s < 0.001
     assert control.interval == 1
+
+
+def test_start_up_steps_do_not_shorten_the_interval() -> None:
+    """The bench transformer's start as its logs show it: step 0 (lazy allocations, DDP's
+    first bucket rebuild) took 1.75 s, the steps in the measuring capture's window 1.65 s
+    and 0.60 s, plain steps 0.21 s, the capture's threads 0.93 s. Planned with step 0 the
+    interval was 28 (an extra full snapshot a few seconds in); now the first step of the
+    process is not counted, nothing is planned before a plain step was measured, and the
+    interval is what the steady state asks for. A restore makes the next step cold again."""
+    no_keeper: Any = None
+    snapshotter = Snapshotter(no_keeper, job="j", rank=0, generation=0, secret=None,
+                              policy=SnapshotPolicy("auto", 0.03), checksum_workers=1)
+    control = snapshotter._control
+    try:
+        snapshotter.observe_step(1.75)
+        control.observe_capture(0.02)                      # the measuring capture
+        control.observe_work(0.93)
+        snapshotter.observe_step(1.65)
+        snapshotter.observe_step(0.60)
+        assert not control.measured and snapshotter.wanted_interval == 0
+        for _ in range(3):
+            snapshotter.observe_step(0.21)
+        steady_interval = math.ceil(0.93 * UNSEEN_COST / (0.03 * 0.21))
+        assert snapshotter.wanted_interval == steady_interval == 222
+        snapshotter.rewind(40)                             # a restore: the next step is cold
+        snapshotter.observe_step(3.0)
+        assert snapshotter.wanted_interval == steady_interval
+    finally:
+        snapshotter.close()
