@@ -25,10 +25,11 @@ frozen until a rollback, so every rank's keeper holds the step the launcher roll
 Replicas that never agreed (unseeded initialisation: no rollback can fix it) are named by
 the ranks themselves in the job's first generation, where every rank is an original process
 and has read the same outcomes: a divergence there before any agreement raises
-``ReplicasNeverAgreed`` on every rank at the same step, and a clean finish compares the last
-capture once more (``final``), so a short or fast job cannot end before its comparisons had
-an outcome. Later generations hold replacements whose own history starts empty: there the
-launcher, which sees every rank's verified step, decides (``ReplicaCheck``).
+``ReplicasNeverAgreed`` on every rank at the same step (with ``auto``, step 2: the
+comparison of step 0 started at the measuring capture). The launcher, which polls member
+records, once missed it: a 30-step job finished 0.5 s after its ranks found it. Later
+generations hold replacements whose own history starts empty: there the launcher, which
+sees every rank's verified step, decides (``ReplicaCheck``).
 """
 from __future__ import annotations
 
@@ -142,14 +143,6 @@ class ReplicaVerifier:
                 raise ReplicasNeverAgreed(never_agreed_message(self.names, outcome.step))
         return outcome
 
-    def final(self, begin: Callable[[torch.Tensor], Any],
-              wait: Callable[[Any, torch.Tensor], torch.Tensor]) -> Agreement | None:
-        """At a clean finish, once the last capture is published: collect the comparison
-        in flight and compare the last capture (blocking). Raises as ``collect``."""
-        self.collect(wait)
-        self._compare(self._previous, begin)
-        return self.collect(wait)
-
     def start(self, step: int, begin: Callable[[torch.Tensor], Any]) -> None:
         """After the capture of ``step``: compare the previous capture's digest (every
         rank starts this at the same snapshot steps, so the collectives line up)."""
@@ -198,12 +191,6 @@ class ReplicaVerifier:
     @property
     def diverged(self) -> bool:
         return self._diverged is not None
-
-    @property
-    def undecided(self) -> bool:
-        """In the job's first generation, no step agreed or diverged yet: whether the ranks
-        ever held the same state is still open (``final`` decides it at a clean finish)."""
-        return self._original and self._verified < 0 and self._diverged is None
 
     def status(self) -> ReplicaStatus:
         with self._lock:

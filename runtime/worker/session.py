@@ -30,8 +30,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from phalanx.configs.errors import (ConfigError, LeaseLost, MembershipUnavailable,
-                                    PeerUnreachable, PhalanxError, ReplicasNeverAgreed,
-                                    StaleGeneration)
+                                    PeerUnreachable, StaleGeneration)
 from phalanx.runtime.base import FINISHED_PREFIX, MemberRecord, per_rank_channel
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.group.default_group import default_group, process_collective
@@ -365,13 +364,10 @@ class Session(Rejoining):
             if snapshotter is not None:
                 snapshotter.wait_for_copy()
 
-    def close(self, finished: bool = True) -> None:
+    def close(self) -> None:
         """Publish the last snapshot, wait for abandoned groups' teardown, leave membership
         and stop the heartbeat; the current group is dropped with the process (never
-        destroyed here: that can block on a dead peer). ``finished`` (the loop ended
-        without an exception): replicas whose comparisons had no outcome yet are compared
-        once more, and ``ReplicasNeverAgreed`` is raised after the rest of the close."""
-        never_agreed = self._final_comparison() if finished else None
+        destroyed here: that can block on a dead peer)."""
         if self._collective is not None:   # nothing rolls back after the session
             self._collective.absorb_faults = False
             # torn down before "finished": no peer exits (the launcher ends the job once
@@ -421,35 +417,12 @@ class Session(Rejoining):
             self._membership = None
         bind_fields(rank=self.rank, generation=self.generation)   # the last, not the session
         self._started = False
-        if never_agreed is not None:
-            raise never_agreed
-
-    def _final_comparison(self) -> ReplicasNeverAgreed | None:
-        """A job that ends before any comparison of its replicas had an outcome (a short
-        loop, or captures published slower than the steps ran) compares its last capture
-        once, blocking, in the job's first generation; the error when the ranks never held
-        the same state. Every rank finishes the same loop, so every rank meets here. A
-        peer lost this late (a failed collective) skips it, logged: nothing rolls back."""
-        verifier, snapshotter = self._verifier, self._snapshotter
-        if verifier is None or snapshotter is None or not verifier.undecided:
-            return None
-        try:
-            snapshotter.wait_published()
-            outcome = verifier.final(self._start_reduce, self._wait_reduce)
-        except ReplicasNeverAgreed as exc:
-            return exc
-        except PhalanxError as exc:
-            log.warning("event=final_comparison_skipped rank=%d error=%s", self.rank, exc)
-            return None
-        log.info("event=final_comparison rank=%d outcome=%s", self.rank,
-                 "none" if outcome is None else outcome.state)
-        return None
 
     def __enter__(self) -> "Session":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.close(finished=exc[0] is None)
+        self.close()
 
     # -- identity ---------------------------------------------------------------------
     @property
@@ -683,7 +656,8 @@ class Session(Rejoining):
         collect the previous comparison before the capture (its verified step is what the
         capture's slot claim protects), start the next one after it; at an interval
         agreement between snapshot steps (``offer``) start one of the last capture. False
-        when a failed collective made this rank recover instead."""
+        when a failed collective made this rank recover instead; raises
+        ``ReplicasNeverAgreed`` (every rank, at the same step) for ranks that never agreed."""
         verifier = self._verifier
         if verifier is None:
             return True

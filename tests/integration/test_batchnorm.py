@@ -31,12 +31,13 @@ def test_a_batchnorm_model_trains_fault_free_with_no_recovery(tmp_path: Path) ->
     assert not [e for e in events if e["event"] in ("fault", "sdc_detected", "recovered")]
 
 
-@pytest.mark.parametrize("steps", [30, 1], ids=["mid_job", "ends_before_any_comparison"])
-def test_ranks_that_never_agreed_fail_naming_the_cause(tmp_path: Path, steps: int) -> None:
-    """Every rank names it, however fast the job runs: during the steps when a comparison
-    has an outcome, else at the finish (one step: no comparison ran before it)."""
-    result = launch("configs/demo.yaml", *JOB[:-1],
-                    f"job.args={{\"steps\": {steps}, \"seeded\": false}}", run_root=tmp_path)
+def test_ranks_that_never_agreed_fail_naming_the_cause(tmp_path: Path) -> None:
+    """The ranks raise it themselves where the comparison has its outcome: this 30-step
+    job once finished with exit 0 on a loaded CI machine, before its launcher, which
+    polls the member records, had seen any rank's record (its progress line still said
+    step -1)."""
+    result = launch("configs/demo.yaml", *JOB[:-1], "job.args={\"steps\": 30, \"seeded\": false}",
+                    run_root=tmp_path)
     assert result.returncode == 1
     assert "ReplicasNeverAgreed" in result.stderr, result.stderr[-3000:]
     assert "did not start from the same state" in result.stderr
