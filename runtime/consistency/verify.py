@@ -27,7 +27,8 @@ the ranks themselves in the job's first generation, where every rank is an origi
 and has read the same outcomes: a divergence there before any agreement raises
 ``ReplicasNeverAgreed`` on every rank at the same step (with ``auto``, step 2: the
 comparison of step 0 started at the measuring capture). The launcher, which polls member
-records, once missed it: a 30-step job finished 0.5 s after its ranks found it. Later
+records, once missed it: a 30-step job finished on a loaded CI machine before the launcher
+had read any rank's record. Later
 generations hold replacements whose own history starts empty: there the launcher, which
 sees every rank's verified step, decides (``ReplicaCheck``).
 """
@@ -105,7 +106,6 @@ class ReplicaVerifier:
         self._diverged: tuple[int, str, int] | None = None
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._previous: int | None = None        # the last capture of this generation
-        self._original = generation == 0         # the job's first generation, never reset
         snapshotter.on_published = self.published
 
     # -- publishing thread -----------------------------------------------------------
@@ -139,7 +139,8 @@ class ReplicaVerifier:
                 self._diverged = (outcome.step, mine, self._generation)
             log.error("event=replicas_diverged step=%d digest=%s verified=%d generation=%d",
                       outcome.step, mine, self._verified, self._generation)
-            if self._original and self._verified < 0:
+            # generation 0: no rollback yet (each fences a newer one), every rank an original
+            if self._generation == 0 and self._verified < 0:
                 raise ReplicasNeverAgreed(never_agreed_message(self.names, outcome.step))
         return outcome
 
@@ -176,7 +177,6 @@ class ReplicaVerifier:
         verified step stays (still held: a rollback drops only newer steps) unless the
         rollback went below it."""
         self._pending, self._previous, self._generation = None, None, generation
-        self._original = False
         with self._lock:
             self._diverged = None
             for old in [s for s in self._digests if s > step]:
@@ -195,4 +195,3 @@ class ReplicaVerifier:
     def status(self) -> ReplicaStatus:
         with self._lock:
             return ReplicaStatus(self._verified, tuple(self._recent), self._diverged)
-
