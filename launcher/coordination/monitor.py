@@ -23,6 +23,7 @@ from phalanx.runtime.keeper.memory_plan import MemoryPlanExceeded
 
 log = logging.getLogger(__name__)
 FINISH_GRACE_S = 0.5
+AWAY_PROBE_S = 1.0      # how often a node whose keeper's record is away is probed again
 # What a worker raised that a replacement would raise too (its node's shared memory cannot
 # hold the job's snapshots; the ranks never started from the same state): the job fails at
 # once, naming it.
@@ -59,6 +60,7 @@ class Monitor:
         self._vanished: dict[str, float] = {}
         self._dead_nodes: set[int] = set()
         self._keepers_seen: set[int] = set()     # nodes whose keeper's record was present
+        self._away: dict[int, float] = {}   # node whose record lapsed but answers -> probed at
         self._replicas = ReplicaCheck(replicated_state)
 
     def poll(self, slots: Mapping[int, RankSlot], done_ranks: set[int],
@@ -88,6 +90,7 @@ class Monitor:
         self._silent_nodes(slots, done, members, now, result, leases_trusted)
         self._lease_signals(slots, done, members, now, result, finished, leases_trusted)
         self._node_signals(now, result)
+        self._away_progress(slots, done, members, now, result)
         for record in members.values():
             if record.rank >= 0 and slots.get(record.rank) and \
                     slots[record.rank].worker_id == record.worker_id:
@@ -159,7 +162,8 @@ class Monitor:
         if not trusted:           # etcd down or just back: no vanished key counts yet
             self._vanished.clear()
         for worker_id, record in list(self._seen.items()) if trusted else []:
-            if worker_id in members or worker_id not in current:
+            if worker_id in members or worker_id not in current \
+                    or current[worker_id].node in self._away:   # went with its keeper's
                 self._vanished.pop(worker_id, None)
                 continue
             if record.extra.get("state") == "finished":
@@ -186,15 +190,40 @@ class Monitor:
             self._keepers_seen |= present
             return
         running = {slot.node for rank, slot in slots.items() if rank not in done}
-        for index in sorted(self._keepers_seen - present):
+        for index in present | self._dead_nodes | (set(self._away) - running):
+            if self._away.pop(index, None) is not None and index in present:
+                log.info("event=keeper_back node=%s: its keeper reports again",
+                         node_name(index))
+        due = {index for index, probed in self._away.items() if now - probed >= AWAY_PROBE_S}
+        for index in sorted((self._keepers_seen - present) | due):
             if index in self._dead_nodes or index not in running or self._watch is None:
                 continue
             if self._watch.silent(index):
                 log.warning("event=node_silent node=%s: its etcd lease lapsed and neither "
                             "its keeper nor its raylet answers", node_name(index))
+                self._away.pop(index, None)
                 self._dead_nodes.add(index)
                 result.signals.append(NodeLost(node_name(index), now))
+                continue
+            if index not in self._away:
+                log.warning("event=keeper_away node=%s: its etcd lease lapsed but the node "
+                            "answers (a slow or lossy link to etcd): its ranks' records are "
+                            "excused until its keeper reports again", node_name(index))
+            self._away[index] = now
         self._keepers_seen = present
+
+    def _away_progress(self, slots: Mapping[int, RankSlot], done: set[int],
+                       members: Mapping[str, MemberRecord], now: float,
+                       result: PollResult) -> None:
+        """A rank whose record went with its keeper's lapsed lease (``_away``) is excused
+        from the stall detector (its last record, out of step) until its keeper reports
+        again: no record is no rank standing still."""
+        for rank, slot in slots.items():
+            record = self._seen.get(slot.worker_id)
+            if slot.node in self._away and rank not in done and record is not None \
+                    and slot.worker_id not in members:
+                result.progress.append(Progress(Rank(rank), Step(record.step), now,
+                                                in_step=False))
 
     def _node_signals(self, now: float, result: PollResult) -> None:
         if self._watch is not None:     # a node whose keeper and raylet both refuse

@@ -287,8 +287,10 @@ def test_a_slow_lossy_link_slows_training_and_recovers_nothing(
                    and ev is not events and _named(ev, "progress")]
     assert clean_rates, "no fault-free run of this job to compare with"
     slowed = _steps_per_s(events, since=degraded[0][0])
+    away = log.read_text().count("event=keeper_away")    # a lease that lapsed on the link
     print(f"multihost slow link ({degraded[0][1]}): {slowed:.1f} steps/s against "
-          f"{max(clean_rates):.1f} on a clean link; {dropped} packets dropped")
+          f"{max(clean_rates):.1f} on a clean link; {dropped} packets dropped; node keeper "
+          f"leases lapsed and excused: {away}")
     assert slowed < 0.8 * max(clean_rates), (slowed, clean_rates)
 
 
@@ -341,13 +343,17 @@ def test_two_etcd_members_lost_training_goes_on_and_recovery_waits_for_quorum(
     # the recovery could not fence before the quorum was back, and did right after
     assert record["first_step_at"] > marks["quorum_back"], (record, marks)
     assert record["first_step_at"] < marks["quorum_back"] + 20, (record, marks)
-    # training went on without quorum: the survivors' step at the fault is past the step
-    # at which the quorum was lost by about the 2 s in between (0.2 s steps)
-    (plan,) = _named(events, "plan")
+    # training went on without quorum: the step the job resumed at (the survivors' own,
+    # healed) is past the step at which the quorum was lost by about the 2 s in between
+    # (0.2 s steps). The plan's step is only the commit point, the floor: the survivors'
+    # last commit written before etcd went away, or older when the killed rank's newest
+    # snapshot is a step behind theirs
     print(f"multihost etcd quorum: lost at step {step_at_loss[0]}, worker killed 2 s later, "
-          f"plan at step {plan['restore_step']}, first step "
-          f"{record['first_step_at'] - marks['quorum_back']:.2f} s after the quorum came back")
-    assert plan["restore_step"] >= step_at_loss[0] + 5, (plan, step_at_loss)
+          f"resumed at step {record['restore_step']} ({record['lost_steps']} lost), first "
+          f"step {record['first_step_at'] - marks['quorum_back']:.2f} s after the quorum "
+          "came back")
+    assert record["restore_step"] >= step_at_loss[0] + 5, (record, step_at_loss)
+    assert record["lost_steps"] <= 1, record
 
 
 @pytest.mark.timeout(DRILL_TIMEOUT_S + 60)

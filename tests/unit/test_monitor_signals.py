@@ -7,9 +7,9 @@ import time
 
 from phalanx.launcher.coordination.coordinator import RankSlot
 from phalanx.launcher.job import _stale
-from phalanx.launcher.coordination.monitor import Monitor
+from phalanx.launcher.coordination.monitor import AWAY_PROBE_S, FINISH_GRACE_S, Monitor
 from phalanx.launcher.coordination.node_watch import NodeWatch
-from phalanx.recovery.detection import CollectiveError, KeeperLeaseExpired, NodeLost
+from phalanx.recovery.detection import CollectiveError, KeeperLeaseExpired, LeaseLost, NodeLost
 from phalanx.runtime.base import MemberRecord
 
 GRACE_S = 0.05
@@ -115,3 +115,47 @@ def test_ranks_on_a_report_that_stopped_moving_are_not_judged_by_it() -> None:
     own = MemberRecord("w0", 0, "node0", step=5)     # under its own lease: always current
     time.sleep(0.1)
     assert monitor.poll(slots, set(), {"w0": own}, timeout_s=0).progress[0].in_step
+
+
+def test_ranks_whose_keeper_lapsed_on_a_node_that_answers_are_excused() -> None:
+    """A slow, lossy link to etcd can lapse a node keeper's lease (and its ranks' records
+    with it) while the node trains on: a node that still answers is not lost, its ranks'
+    vanished records are no lease loss and no stall while its keeper is away; once the
+    keeper reports again a record still missing is a lease loss, and a node that stops
+    answering meanwhile is lost at its next probe."""
+    listening = socket.create_server(("127.0.0.1", 0))
+    alive = listening.getsockname()[:2]
+    closed = socket.create_server(("127.0.0.1", 0))
+    gone = closed.getsockname()[:2]
+    closed.close()
+    watch = NodeWatch(keepers={0: alive, 1: alive}, raylets={0: alive, 1: alive},
+                      secret=b"s", job="job", generation=lambda: 0)
+    monitor = Monitor(2, node_check_s=1e9, watch=watch)
+    slots = {r: RankSlot(r, f"w{r}", r, None) for r in range(2)}
+    ranks = {"w0": MemberRecord("w0", 0, "node0", step=7, extra={"state": "running"}),
+             "w1": MemberRecord("w1", 1, "node1", step=7, extra={"state": "running"})}
+    whole = {"keeper.node0": _keeper(0), "keeper.node1": _keeper(1), **ranks}
+    lapsed = {k: v for k, v in whole.items() if k not in ("keeper.node1", "w1")}
+    try:
+        assert monitor.poll(slots, set(), whole, timeout_s=0).signals == []
+        for _ in range(3):                   # well past FINISH_GRACE_S: still excused
+            result = monitor.poll(slots, set(), lapsed, timeout_s=0)
+            assert result.signals == []
+            (away,) = [p for p in result.progress if p.rank == 1]
+            assert (away.step, away.in_step) == (7, False)
+            time.sleep(FINISH_GRACE_S)
+        back = {k: v for k, v in whole.items() if k != "w1"}    # keeper back, w1 not
+        assert monitor.poll(slots, set(), back, timeout_s=0).signals == []
+        time.sleep(FINISH_GRACE_S * 1.2)
+        (lost,) = monitor.poll(slots, set(), back, timeout_s=0).signals
+        assert isinstance(lost, LeaseLost) and lost.worker_id == "w1"
+        # node 0's keeper lapses too, then the node stops answering: lost at a re-probe
+        monitor.poll(slots, set(), {k: v for k, v in back.items() if k != "keeper.node0"},
+                     timeout_s=0)
+        watch._keepers[0] = watch._raylets[0] = gone
+        time.sleep(AWAY_PROBE_S)
+        signals = monitor.poll(slots, set(), {"w0": ranks["w0"]}, timeout_s=0).signals
+        assert [s.node for s in signals if isinstance(s, NodeLost)] == ["node0"]
+    finally:
+        listening.close()
+        watch.close()
