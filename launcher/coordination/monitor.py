@@ -50,7 +50,7 @@ class Monitor:
         self._reports: dict[str, tuple[int, float]] = {}   # node -> (revision, first seen)
         self._on_exception = on_exception
         self._raised_at: set[tuple[int, int]] = set()   # (rank, step) that raised once
-        self._raised_refs: set[Any] = set()             # calls already reported as raised
+        self._raised_refs: set[Any] = set()       # calls already reported as raised or dead
         self._watch = watch
         self._collective_grace_s = collective_grace_s
         self._collective: dict[tuple[str, int], float] = {}  # (worker, generation) → seen
@@ -72,8 +72,12 @@ class Monitor:
         active = {slot.ref: slot for rank, slot in slots.items()
                   if rank not in done_ranks and slot.ref is not None
                   and slot.ref not in self._raised_refs}
-        ready, _ = ray.wait(list(active), num_returns=len(active), timeout=timeout_s) \
-            if active else ([], [])
+        ready: list[Any] = []
+        if active:      # back at the first call that ends (a death), then every one ended:
+            # waiting for them all held a death back for the rest of ``timeout_s``
+            ready, _ = ray.wait(list(active), num_returns=1, timeout=timeout_s)
+            if ready and len(active) > 1:
+                ready, _ = ray.wait(list(active), num_returns=len(active), timeout=0)
         now = time.monotonic()
         for ref in ready:
             slot = active[ref]
@@ -84,6 +88,7 @@ class Monitor:
                 result.signals.append(self._raised(_worker_error(exc, slot.rank), slot,
                                                    members, now))
             except RayActorError as exc:
+                self._raised_refs.add(ref)      # reported once; ``wait`` skips it after
                 result.signals.append(ActorDied(WorkerId(slot.worker_id), now,
                                                 str(exc).splitlines()[0]))
         done = done_ranks | set(result.finished)

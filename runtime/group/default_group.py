@@ -36,6 +36,8 @@ from torch.futures import Future
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.group.process_group import connect_store
+from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
+from phalanx.runtime.membership.generation import GenerationWatcher
 
 log = logging.getLogger(__name__)
 BACKEND = "phalanx"
@@ -53,6 +55,9 @@ _OPS: dict[str, int] = {
 _SINGLE = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
            "all_to_all_single": "alltoall_base"}
 _world: dict[str, Any] = {}     # this process's collective and default group
+# the etcd client and generation watcher the script's init_process_group() opened, by
+# (job, worker, rank, generation), until the Session takes them
+_watch: dict[tuple[str, str, int, int], tuple[EtcdMembership, GenerationWatcher]] = {}
 
 
 class _FutureWork(dist.Work):
@@ -369,6 +374,49 @@ def process_collective(ctx: WorkerContext) -> Collective:
     return _world["collective"]
 
 
+def take_job_watch(ctx: WorkerContext, keep: bool = False,
+                   ) -> tuple[EtcdMembership, GenerationWatcher] | None:
+    """This process's etcd client and generation watcher, or None without etcd. The
+    script's ``init_process_group()`` opens them (``keep``) to follow a newer plan while its
+    group forms; the Session takes them over (one connection, not two, on a replacement's
+    way to its first step)."""
+    if not ctx.etcd_endpoints:
+        return None
+    key = (ctx.job, ctx.worker_id, ctx.rank, ctx.generation)
+    kept = _watch.pop(key, None)
+    _watch.clear()                   # another rank's in this process (tests): not ours
+    if kept is None:
+        membership = EtcdMembership(list(ctx.etcd_endpoints), job_prefix(ctx.etcd_prefix, ctx.job),
+                                    **client_options(**ctx.etcd_client)).connect(
+            retry_for_s=ctx.group_timeout_s)
+        kept = (membership, GenerationWatcher(membership).start())
+    if keep:
+        _watch[key] = kept
+    return kept
+
+
+def _form_or_follow(ctx: WorkerContext, collective: Collective, joining: bool) -> None:
+    """Form this generation's group for the script's ``init_process_group()``. A newer
+    generation fenced meanwhile (another fault while this replacement started) ends the
+    wait at once: a joining rank leaves its group unformed (its set-up collectives are
+    skipped anyway) and its Session, formed next, follows the newer plan; any other rank
+    raises, as a group that never forms does."""
+    watch = take_job_watch(ctx, keep=True)
+    watcher = watch[1] if watch is not None else None
+
+    def superseded() -> bool:
+        return watcher is not None and watcher.newer_than(ctx.generation)
+
+    try:
+        collective.form(ctx.generation, should_abort=superseded)
+    except CollectiveAborted:
+        if not (joining and superseded()):
+            raise
+        log.warning("event=init_group_superseded rank=%d generation=%d newest=%d: the "
+                    "Session follows the newer plan", ctx.rank, ctx.generation,
+                    watcher.latest if watcher is not None else -1)
+
+
 def default_group() -> DefaultGroup | None:
     """The default group built by the user's ``init_process_group()``, or None."""
     return _world.get("group")
@@ -407,7 +455,7 @@ def install(ctx: WorkerContext) -> None:
                              f"{ctx.world_size}; leave them out (env:// reads them)")
         collective = process_collective(ctx)
         if collective.generation < 0:
-            collective.form(ctx.generation)
+            _form_or_follow(ctx, collective, _joining(ctx))
         kwargs.pop("device_id", None)     # a CPU group binds no device
         original(BACKEND, None, timeout, ctx.world_size, ctx.rank, collective.store, **kwargs)
         group = c10d._get_default_group()
@@ -433,8 +481,12 @@ def _create(store: dist.Store, rank: int, world_size: int,
             timeout: datetime.timedelta) -> DefaultGroup:
     """The backend's creator: the default group over this process's collective."""
     ctx: WorkerContext = _world["context"]
-    restore = ctx.extra.get("restore")
-    joining = isinstance(restore, dict) and bool(restore.get("joins_survivors"))
     collective = process_collective(ctx)
-    return DefaultGroup(collective, skip_setup=joining and not collective.absorb_faults)
+    return DefaultGroup(collective, skip_setup=_joining(ctx) and not collective.absorb_faults)
+
+
+def _joining(ctx: WorkerContext) -> bool:
+    """This rank replaces a lost one and joins ranks that kept their state."""
+    restore = ctx.extra.get("restore")
+    return isinstance(restore, dict) and bool(restore.get("joins_survivors"))
 

@@ -33,7 +33,8 @@ from phalanx.configs.errors import (ConfigError, LeaseLost, MembershipUnavailabl
                                     PeerUnreachable, StaleGeneration)
 from phalanx.runtime.base import FINISHED_PREFIX, MemberRecord, per_rank_channel
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
-from phalanx.runtime.group.default_group import default_group, process_collective
+from phalanx.runtime.group.default_group import (default_group, process_collective,
+                                                  take_job_watch)
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.logs import ReplayMarker, bind_fields
 from phalanx.runtime.membership.generation import GenerationWatcher
@@ -44,7 +45,7 @@ from phalanx.runtime.worker.heartbeat import Heartbeat
 from phalanx.runtime.worker.member_relay import MemberRelay
 from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address, no_room
 from phalanx.runtime.keeper.wire import KeeperClient
-from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
+from phalanx.runtime.membership.etcd import EtcdMembership
 from phalanx.runtime.worker.drill_hooks import (gate_reason, hold_at_gate, raise_on_sigusr1,
                                                write_memory_map)
 from phalanx.runtime.worker.recovering import Rejoining
@@ -189,12 +190,9 @@ class Session(Rejoining):
         bind_fields(rank=ctx.rank, generation=lambda: self.generation)
         log.info("event=session_start rank=%d generation=%d", ctx.rank, ctx.generation)
         torch.set_num_threads(ctx.torch_threads)
-        if ctx.etcd_endpoints:
-            self._membership = EtcdMembership(list(ctx.etcd_endpoints),
-                                              job_prefix(ctx.etcd_prefix, ctx.job),
-                                              **client_options(**ctx.etcd_client)).connect(
-                retry_for_s=ctx.group_timeout_s)
-            self._watcher = GenerationWatcher(self._membership).start()
+        watch = take_job_watch(ctx)     # the script's init_process_group() may hold them
+        if watch is not None:
+            self._membership, self._watcher = watch
         if ctx.keeper_port:
             self._start_snapshots()
         if ctx.drills:
