@@ -384,7 +384,10 @@ def take_job_watch(ctx: WorkerContext, keep: bool = False,
         return None
     key = (ctx.job, ctx.worker_id, ctx.rank, ctx.generation)
     kept = _watch.pop(key, None)
-    _watch.clear()                   # another rank's in this process (tests): not ours
+    for membership, watcher in _watch.values():   # another rank's in this process (tests)
+        watcher.close()
+        membership.close()
+    _watch.clear()
     if kept is None:
         membership = EtcdMembership(list(ctx.etcd_endpoints), job_prefix(ctx.etcd_prefix, ctx.job),
                                     **client_options(**ctx.etcd_client)).connect(
