@@ -55,7 +55,7 @@ class Monitor:
         self._reports: dict[str, tuple[int, float]] = {}   # node -> (revision, first seen)
         self._on_exception = on_exception
         self._raised_at: set[tuple[int, int]] = set()   # (rank, step) that raised once
-        self._raised_refs: set[Any] = set()       # calls already reported as raised or dead
+        self._reported: set[Any] = set()      # calls already reported as raised or dead
         self._watch = watch
         self._collective_grace_s = collective_grace_s
         self._collective: dict[tuple[str, int], float] = {}  # (worker, generation) → seen
@@ -76,7 +76,7 @@ class Monitor:
         result = PollResult()
         active = {slot.ref: slot for rank, slot in slots.items()
                   if rank not in done_ranks and slot.ref is not None
-                  and slot.ref not in self._raised_refs}
+                  and slot.ref not in self._reported}
         ready: list[Any] = []
         if active:      # back at the first call that ends (a death), then every one that
             # ended with it: waiting for them all held a death back for the rest of timeout_s
@@ -89,11 +89,11 @@ class Monitor:
             try:
                 result.finished[slot.rank] = ray.get(ref)
             except RayTaskError as exc:
-                self._raised_refs.add(ref)
+                self._reported.add(ref)
                 result.signals.append(self._raised(_worker_error(exc, slot.rank), slot,
                                                    members, now))
             except RayActorError as exc:
-                self._raised_refs.add(ref)      # reported once; ``wait`` skips it after
+                self._reported.add(ref)      # reported once; ``wait`` skips it after
                 result.signals.append(ActorDied(WorkerId(slot.worker_id), now,
                                                 str(exc).splitlines()[0]))
         done = done_ranks | set(result.finished)
@@ -200,8 +200,10 @@ class Monitor:
             self._keepers_seen |= present
             return
         running = {slot.node for rank, slot in slots.items() if rank not in done}
-        for index in present | self._dead_nodes | (set(self._away) - running):
-            if self._away.pop(index, None) is not None and index in present:
+        for index in [i for i in self._away if i in present or i in self._dead_nodes
+                      or i not in running]:
+            del self._away[index]
+            if index in present:
                 log.info("event=keeper_back node=%s: its keeper reports again",
                          node_name(index))
         due = {index for index, probed in self._away.items() if now - probed >= AWAY_PROBE_S}

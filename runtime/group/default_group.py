@@ -405,19 +405,19 @@ def _form_or_follow(ctx: WorkerContext, collective: Collective, joining: bool) -
     skipped anyway) and its Session, formed next, follows the newer plan; any other rank
     raises, as a group that never forms does."""
     watch = take_job_watch(ctx, keep=True)
-    watcher = watch[1] if watch is not None else None
-
-    def superseded() -> bool:
-        return watcher is not None and watcher.newer_than(ctx.generation)
-
+    if watch is None:            # no etcd: no newer generation to hear of
+        collective.form(ctx.generation)
+        return
+    watcher = watch[1]
     try:
-        collective.form(ctx.generation, should_abort=superseded)
+        collective.form(ctx.generation,
+                        should_abort=lambda: watcher.newer_than(ctx.generation))
     except CollectiveAborted:
-        if not (joining and superseded()):
+        if not (joining and watcher.newer_than(ctx.generation)):
             raise
         log.warning("event=init_group_superseded rank=%d generation=%d newest=%d: the "
                     "Session follows the newer plan", ctx.rank, ctx.generation,
-                    watcher.latest if watcher is not None else -1)
+                    watcher.latest)
 
 
 def default_group() -> DefaultGroup | None:
