@@ -189,15 +189,21 @@ class JobRunner:
                 # keepers, spares, then ranks (_start_workers): starting every actor at once
                 # right after Ray came up (each imports torch) starved the fresh raylets'
                 # agents on 2 cores and Ray lost a node at start-up in 3 of ~40 CI launches
+                parts = dict(services.started_s)   # where the start-up's seconds went
+                begun = time.monotonic()
                 self._start_keepers(services, run, stack)
+                parts["keepers"] = time.monotonic() - begun
                 events = EventLog(run.path / "events.jsonl", services.membership)
                 stack.callback(events.close)     # before the membership closes (LIFO)
                 self._open_metrics(events, stack)
+                begun = time.monotonic()
                 pool = self._start_spares(stack)
+                parts["spares"] = time.monotonic() - begun
                 coordinator = self._coordinator(run, services, events, pool)
                 coordinator.fence_initial()
                 events.emit("started", world_size=self.cfg.job.world_size,
-                            nodes=self.cfg.job.nodes, spares=self.cfg.spares.count)
+                            nodes=self.cfg.job.nodes, spares=self.cfg.spares.count,
+                            startup_s={k: round(v, 3) for k, v in parts.items()})
                 if self.resume_point is not None:
                     announce(self.resume_point, events, self.console)
                 slots = self._start_workers(run)

@@ -173,6 +173,7 @@ class LocalRay:
         self._cluster: Cluster | None = None
         self._nodes: dict[int, Any] = {}
         self._temp_dir: Path | None = None
+        self.attempts = 0   # start-ups begun by the last ``start()`` (1: no retry)
 
     @property
     def address(self) -> str:
@@ -188,6 +189,7 @@ class LocalRay:
         Ray's own start-up times out (seen on a loaded 2-core machine: the GCS misses the
         30 s node-info deadline Ray hard-codes; twice in a row once in CI)."""
         for attempt in range(1, START_ATTEMPTS + 1):
+            self.attempts = attempt
             try:
                 return self._start_once()
             except ServiceStartError as exc:

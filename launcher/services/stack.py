@@ -8,7 +8,8 @@ import importlib
 import logging
 import socket
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -38,6 +39,7 @@ class Services:
     local_ray: LocalRay | None
     etcd: EmbeddedEtcd | None
     leadership: Leadership
+    started_s: dict[str, float] = field(default_factory=dict)   # seconds per service start
 
 
 def ray_namespace(cfg: PhalanxConfig) -> str:
@@ -52,12 +54,15 @@ def start_services(cfg: PhalanxConfig, run: RunDir, stack: contextlib.ExitStack)
     prefetch_torch()
     etcd = None
     endpoints = list(cfg.etcd.endpoints)
+    started_s: dict[str, float] = {}
+    begun = time.monotonic()
     if not endpoints:
         etcd = EmbeddedEtcd(run.path / "etcd", cfg.etcd.startup_timeout_s,
                             tls=embedded_tls(cfg))
         stack.callback(etcd.close)
         etcd.start()
         endpoints = [etcd.endpoint]
+        started_s["etcd"] = time.monotonic() - begun
     membership = _connect(cfg, endpoints, stack)
     leadership = _leadership(cfg, endpoints, stack)
     if not leadership.try_acquire():
@@ -76,10 +81,13 @@ def start_services(cfg: PhalanxConfig, run: RunDir, stack: contextlib.ExitStack)
         local_ray = LocalRay(cfg.ray, log_to_driver=False, namespace=ray_namespace(cfg))
         stack.callback(local_ray.close)
         stack.push(_keep_ray_logs_on_failure(local_ray, run.path / "ray-logs"))
+        begun = time.monotonic()
         local_ray.start()
+        started_s["ray"] = time.monotonic() - begun
+        started_s["ray_attempts"] = local_ray.attempts
         store_host = "127.0.0.1"
     return Services(endpoints, membership, _store(cfg, store_host), store_host, local_ray, etcd,
-                    leadership)
+                    leadership, started_s)
 
 
 def embedded_tls(cfg: PhalanxConfig) -> ServerTLS | None:
