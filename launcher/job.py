@@ -203,7 +203,9 @@ class JobRunner:
                 coordinator.fence_initial()
                 events.emit("started", world_size=self.cfg.job.world_size,
                             nodes=self.cfg.job.nodes, spares=self.cfg.spares.count,
-                            startup_s={k: round(v, 3) for k, v in parts.items()})
+                            startup_s={k: round(v, 3) for k, v in parts.items()},
+                            **({"ray_start_failures": services.local_ray.failures}
+                               if services.local_ray and services.local_ray.failures else {}))
                 if self.resume_point is not None:
                     announce(self.resume_point, events, self.console)
                 slots = self._start_workers(run)

@@ -30,11 +30,20 @@ START_ATTEMPTS = 3
 FIRST_WORK_CHECK_S = 1.0   # how often a node's first work looks for a dead raylet
 REGISTERED_POLL_S = 0.02   # how often a starting raylet's record is looked for in the GCS
 REGISTERED_WAIT_S = 30.0   # then Ray's own lookup decides (its raylet_start_wait_time_s)
-NODE_LOOKUP_S = 10.0       # one of Ray's node lookups answers within this (1-2 s normally)
+NODE_LOOKUP_S = 5.0        # one of Ray's node lookups answers within this (1-2 s normally)
+# A node not registered this long after Ray first looked for it: the attempt is given up
+# (all but the last attempt; the last waits Ray's own 30 s). A node registers in 0.5-2 s.
+REGISTER_LIMIT_S = 10.0
+
+
+class RegistrationStalled(Exception):
+    """A starting node unregistered past ``REGISTER_LIMIT_S``: not a ``RuntimeError``, so
+    Ray's start does not ask again for the rest of its 30 s but fails, and the launcher
+    starts Ray once more."""
 
 
 @contextlib.contextmanager
-def _registration_polled() -> Any:
+def _registration_polled(limit_s: float | None = None) -> Any:
     """While virtual nodes start: Ray's ``Node`` start asks the GCS for the new raylet's
     record (``services.get_node``), and Ray 2.60's lookup sleeps one whole second after a
     miss. Its first look comes 0.1 s after the raylet was spawned, before the raylet
@@ -44,11 +53,27 @@ def _registration_polled() -> Any:
     head's lookup (before the driver connects) is left to Ray (bounded: ``bounded_lookup``):
     a first version that polled the starting head with a GCS client of its own met Ray's
     60 s lookup stall in 2 of 13 launches, which says little, as the stall comes without
-    it too."""
+    it too.
+
+    ``limit_s``: a node still unregistered this long after the first look for it raises
+    ``RegistrationStalled`` (None: Ray's own 30 s decide). Ray's start-up stall — the head's
+    lookup unanswered, then every fresh lookup too, until Ray's 30 s ran out — hit 3 of 58
+    launches of one suite run on this 2-core VM (30-35 s each, where a start takes 4 s);
+    it is a dead attempt from its first seconds, so it is given up after ``limit_s``."""
     original = ray_services.get_node
+    first_look: dict[str, float] = {}
 
     def get_node(gcs_address: str, node_id: str) -> Any:
-        deadline = time.monotonic() + REGISTERED_WAIT_S
+        now = time.monotonic()
+        since = first_look.setdefault(node_id, now)
+        if limit_s is not None and now - since > limit_s:
+            log.warning("event=ray_node_unregistered node=%s seconds=%.1f", node_id[:12],
+                        now - since)
+            raise RegistrationStalled(f"node {node_id[:12]} not registered with Ray's GCS "
+                                      f"{now - since:.0f} s after Ray started it")
+        deadline = now + REGISTERED_WAIT_S
+        if limit_s is not None:
+            deadline = min(deadline, since + limit_s)
         while ray.is_initialized() and time.monotonic() < deadline \
                 and node_id not in {node["NodeID"] for node in ray.nodes()}:
             time.sleep(REGISTERED_POLL_S)
@@ -166,14 +191,16 @@ class LocalRay:
     """
 
     def __init__(self, cfg: RayConfig, log_to_driver: bool = True,
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None, failed_logs: Path | None = None) -> None:
         self._cfg = cfg
+        self._failed_logs = failed_logs   # where a failed start attempt's logs are kept
         self._log_to_driver = log_to_driver
         self._namespace = namespace
         self._cluster: Cluster | None = None
         self._nodes: dict[int, Any] = {}
         self._temp_dir: Path | None = None
         self.attempts = 0   # start-ups begun by the last ``start()`` (1: no retry)
+        self.failures: list[str] = []   # why each failed attempt of it failed
 
     @property
     def address(self) -> str:
@@ -188,25 +215,29 @@ class LocalRay:
         """Start the cluster; up to ``START_ATTEMPTS`` attempts, each from scratch, when
         Ray's own start-up times out (seen on a loaded 2-core machine: the GCS misses the
         30 s node-info deadline Ray hard-codes; twice in a row once in CI)."""
+        self.failures = []
         for attempt in range(1, START_ATTEMPTS + 1):
             self.attempts = attempt
             try:
-                return self._start_once()
+                return self._start_once(attempt)
             except ServiceStartError as exc:
+                self.failures.append(str(exc).splitlines()[0][:300])
                 if attempt == START_ATTEMPTS:
                     raise
-                log.warning("event=ray_start_retry error=%s", str(exc).splitlines()[0][:200])
+                log.warning("event=ray_start_retry error=%s", self.failures[-1][:200])
         raise AssertionError("unreachable")
 
-    def _start_once(self) -> "LocalRay":
+    def _start_once(self, attempt: int) -> "LocalRay":
         # Ray's unix socket paths must stay short: a private dir directly under /tmp.
         self._temp_dir = Path(tempfile.mkdtemp(prefix="phx-ray-", dir="/tmp"))
         ray_address_dir().mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         try:
-            with _registration_polled():
+            with _registration_polled(REGISTER_LIMIT_S if attempt < START_ATTEMPTS else None):
                 self._start_raylets()
         except Exception as exc:  # process boundary: any Ray failure becomes one typed error
+            if self._failed_logs is not None:   # why Ray's start failed: its own logs
+                self.keep_logs(self._failed_logs / f"attempt-{attempt}")
             self.close()
             raise ServiceStartError(f"local Ray did not start: {exc}") from exc
         log.info("event=ray_started nodes=%d seconds=%.2f address=%s", self._cfg.virtual_nodes,

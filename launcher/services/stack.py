@@ -78,7 +78,8 @@ def start_services(cfg: PhalanxConfig, run: RunDir, stack: contextlib.ExitStack)
     if cfg.ray.address:
         store_host = _join_ray(cfg, stack)
     else:
-        local_ray = LocalRay(cfg.ray, log_to_driver=False, namespace=ray_namespace(cfg))
+        local_ray = LocalRay(cfg.ray, log_to_driver=False, namespace=ray_namespace(cfg),
+                             failed_logs=run.path / "ray-logs")
         stack.callback(local_ray.close)
         stack.push(_keep_ray_logs_on_failure(local_ray, run.path / "ray-logs"))
         begun = time.monotonic()

@@ -149,8 +149,7 @@ def send_replicated(objects: Mapping[str, Any], rank: int, holders: Sequence[int
             raise PhalanxError(f"rank {rank} holds replicated tensors {sorted(tensors)[:3]}... "
                                f"but holder {holders[0]} sent {sorted(shapes)[:3]}...")
     else:
-        tensors = {name: torch.empty(shape, dtype=code_dtypes()[code])
-                   for name, (shape, code) in shapes.items()}
+        tensors = _targets(objects, shapes)
     received = 0
     for i, bucket in enumerate(_buckets(tensors)):
         src = holders[i % len(holders)]
@@ -164,6 +163,29 @@ def send_replicated(objects: Mapping[str, Any], rank: int, holders: Sequence[int
     if not holds:
         apply_state(objects, tensors, spec, owned=True)
     return received
+
+
+def _targets(objects: Mapping[str, Any], shapes: Mapping[str, tuple[list[int], str]]
+             ) -> dict[str, torch.Tensor]:
+    """Where a rank that lacks the replicated state receives it: into the tensor its
+    objects hold now at the same path when it matches the holder's (shape, dtype, a plain
+    contiguous CPU tensor: a replacement's model, built by its script before its Session
+    started), else into a fresh one (an optimizer whose state its first step creates). In
+    place, the ``apply_state`` that follows copies nothing (a tensor into itself) and no
+    fresh memory is faulted in."""
+    try:
+        live, _ = flatten_state(objects)
+    except (TypeError, ValueError):     # not capturable as it is: fresh tensors
+        live = {}
+    codes, dtypes = dtype_codes(), code_dtypes()
+
+    def fits(t: torch.Tensor | None, shape: list[int], code: str) -> bool:
+        return (type(t) in (torch.Tensor, torch.nn.Parameter) and t is not None
+                and t.device.type == "cpu" and t.is_contiguous()
+                and list(t.shape) == shape and codes.get(t.dtype) == code)
+
+    return {name: live[name].detach() if fits(live.get(name), shape, code)
+            else torch.empty(shape, dtype=dtypes[code]) for name, (shape, code) in shapes.items()}
 
 
 def _header(tensors: Mapping[str, torch.Tensor], spec: dict) -> bytes:

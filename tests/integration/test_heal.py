@@ -40,12 +40,24 @@ def _state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[byt
     return params + moments
 
 
+def _tensor_addresses(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[int]:
+    return [p.data_ptr() for p in model.parameters()] + [
+        t.data_ptr() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
 def _heal_rank(rank: Rank, live: list[int], per_rank_steps: list[list[int]]) -> dict:
     """One rank: its state at ``live[rank]`` (-1: a replacement, a different init and a
-    fresh optimizer); heal; return the agreed step and whether its replicated state now
-    equals the reference trained to that step."""
-    mine = live[rank.rank]
+    fresh optimizer; -2: a replacement whose script created its optimizer state zeroed, as
+    ``examples/train_transformer.py`` does); heal; return the agreed step, whether its
+    replicated state now equals the reference trained to that step, and whether it was
+    received into the tensors the rank held (the same addresses)."""
+    mine, prebuilt = max(live[rank.rank], -1), live[rank.rank] == -2
     model, opt = _trained(mine) if mine >= 0 else _trained(0, seed=99)
+    if prebuilt:
+        for p in model.parameters():
+            opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p)}
+    addresses = _tensor_addresses(model, opt)
     classes = classify({"model": model, "optimizer": opt}, {"model": "replicated"})
     assert set(classes.replicated) == {"model", "optimizer"}
     assert set(classes.per_rank) == {"model"}          # the BatchNorm statistics
@@ -74,18 +86,26 @@ def _heal_rank(rank: Rank, live: list[int], per_rank_steps: list[list[int]]) -> 
     assert done is not None
     holders, received = done
     return {"step": agreement.step, "holders": list(holders), "received": received,
-            "equal": _state_bytes(model, opt) == _state_bytes(*_trained(agreement.step))}
+            "equal": _state_bytes(model, opt) == _state_bytes(*_trained(agreement.step)),
+            "in_place": _tensor_addresses(model, opt)[:len(addresses)] == addresses,
+            "held": len(addresses), "tensors": len(_tensor_addresses(model, opt))}
 
 
 @pytest.mark.timeout(120)
 def test_ranks_a_step_apart_heal_forward_when_every_rank_has_the_newer_step() -> None:
-    # rank 0 applied step 5 (at 6), rank 1 did not (at 5), rank 2 replaces a lost rank
-    # whose per-rank snapshot of 6 exists: everyone ends at 6 with rank 0's state
-    out = on_ranks(_heal_rank, [STEP + 1, STEP, -1], [[STEP, STEP + 1]] * 3, world_size=3)
-    assert [o["step"] for o in out] == [STEP + 1] * 3
+    # rank 0 applied step 5 (at 6), rank 1 did not (at 5), ranks 2 and 3 replace lost
+    # ranks whose per-rank snapshots of 6 exist: everyone ends at 6 with rank 0's state
+    out = on_ranks(_heal_rank, [STEP + 1, STEP, -1, -2], [[STEP, STEP + 1]] * 4, world_size=4)
+    assert [o["step"] for o in out] == [STEP + 1] * 4
     assert all(o["equal"] for o in out), out
     assert out[0]["holders"] == [0] and out[0]["received"] == 0
     assert out[1]["received"] > 0 and out[2]["received"] == out[1]["received"]
+    assert out[3]["received"] == out[1]["received"]
+    # received where the state lives (the same tensors afterwards) when the rank holds
+    # tensors of the same shapes: rank 1's state, rank 2's model, rank 3's model and zeroed
+    # optimizer state; rank 2's optimizer, stateless until its first step, got fresh ones
+    assert all(o["in_place"] for o in out), out
+    assert out[2]["held"] < out[2]["tensors"] == out[3]["held"] == out[3]["tensors"]
 
 
 @pytest.mark.timeout(120)

@@ -10,6 +10,7 @@ import time
 import pytest
 from ray._private import node as ray_node
 
+from phalanx.launcher.services import ray_cluster
 from phalanx.launcher.services.ray_cluster import bounded_lookup
 
 pytestmark = pytest.mark.unit
@@ -45,3 +46,44 @@ def test_rays_node_start_asks_again_after_a_runtime_error() -> None:
     lookup = source.index("ray._private.services.get_node(")
     assert "except RuntimeError" in source[lookup:lookup + 400]
     assert "while True" in source[lookup - 400:lookup]
+
+
+def _rays_node_start_loop(limit_s: float) -> float:
+    """Ray's ``Node`` start, as it asks for its node's record: again on ``RuntimeError``
+    (not registered yet), until its 30 s; returns the seconds until a lookup came back."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        try:
+            ray_cluster.ray_services.get_node("g:1", "ab" * 28)
+            return time.monotonic() - started
+        except RuntimeError:
+            time.sleep(0.01)
+    raise AssertionError("Ray's own limit ran out")
+
+
+def test_a_node_never_registered_fails_the_attempt_after_the_limit(monkeypatch) -> None:
+    def unregistered(gcs: str, node: str) -> None:
+        raise RuntimeError("node not found")     # what the GCS answers until it registers
+
+    monkeypatch.setattr(ray_cluster.ray_services, "get_node", unregistered)
+    assert not issubclass(ray_cluster.RegistrationStalled, RuntimeError)   # Ray re-raises it
+    started = time.monotonic()
+    with ray_cluster._registration_polled(limit_s=0.4):
+        with pytest.raises(ray_cluster.RegistrationStalled, match="not registered"):
+            _rays_node_start_loop(5.0)
+    assert 0.4 <= time.monotonic() - started < 2.0
+    assert ray_cluster.ray_services.get_node is unregistered     # Ray's own again after
+
+
+def test_without_a_limit_rays_own_lookup_decides(monkeypatch) -> None:
+    answers = iter([RuntimeError("node not found")] * 3 + [{"node": "ab"}])
+
+    def registers_late(gcs: str, node: str) -> dict:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(ray_cluster.ray_services, "get_node", registers_late)
+    with ray_cluster._registration_polled(limit_s=None):
+        assert _rays_node_start_loop(5.0) < 2.0
