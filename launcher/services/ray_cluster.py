@@ -43,7 +43,8 @@ class RegistrationStalled(Exception):
 
 
 @contextlib.contextmanager
-def _registration_polled(limit_s: float | None = None) -> Any:
+def _registration_polled(limit_s: float | None = None,
+                         cluster_dir: Path | None = None) -> Any:
     """While virtual nodes start: Ray's ``Node`` start asks the GCS for the new raylet's
     record (``services.get_node``), and Ray 2.60's lookup sleeps one whole second after a
     miss. Its first look comes 0.1 s after the raylet was spawned, before the raylet
@@ -59,7 +60,9 @@ def _registration_polled(limit_s: float | None = None) -> Any:
     ``RegistrationStalled`` (None: Ray's own 30 s decide). Ray's start-up stall — the head's
     lookup unanswered, then every fresh lookup too, until Ray's 30 s ran out — hit 3 of 58
     launches of one suite run on this 2-core VM (30-35 s each, where a start takes 4 s);
-    it is a dead attempt from its first seconds, so it is given up after ``limit_s``."""
+    it is a dead attempt from its first seconds, so it is given up after ``limit_s``. The
+    error says how many raylets of the cluster (processes naming ``cluster_dir``) run: in
+    the three stalls whose logs were kept, the head's raylet had written no log at all."""
     original = ray_services.get_node
     first_look: dict[str, float] = {}
 
@@ -69,8 +72,11 @@ def _registration_polled(limit_s: float | None = None) -> Any:
         if limit_s is not None and now - since > limit_s:
             log.warning("event=ray_node_unregistered node=%s seconds=%.1f", node_id[:12],
                         now - since)
+            raylets = "" if cluster_dir is None else (
+                f" ({len(running_raylets(cluster_dir))} raylet process(es) of the cluster "
+                "running)")
             raise RegistrationStalled(f"node {node_id[:12]} not registered with Ray's GCS "
-                                      f"{now - since:.0f} s after Ray started it")
+                                      f"{now - since:.0f} s after Ray started it{raylets}")
         deadline = now + REGISTERED_WAIT_S
         if limit_s is not None:
             deadline = min(deadline, since + limit_s)
@@ -168,6 +174,19 @@ def processes_naming(text: str) -> list[int]:
     return found
 
 
+def running_raylets(cluster_dir: Path) -> list[int]:
+    """Live raylet processes of the cluster whose temp dir is ``cluster_dir``."""
+    found = []
+    for pid in processes_naming(str(cluster_dir)):
+        try:
+            argv0 = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0]
+        except OSError:  # exited while we looked
+            continue
+        if argv0.endswith(b"/raylet"):
+            found.append(pid)
+    return found
+
+
 def node_indices(node: dict[str, Any], count: int) -> list[int]:
     """The virtual node indices a ``ray.nodes()`` entry offers (by its resources)."""
     return [i for i in range(count) if node_resource(i) in node.get("Resources", {})]
@@ -233,7 +252,8 @@ class LocalRay:
         ray_address_dir().mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         try:
-            with _registration_polled(REGISTER_LIMIT_S if attempt < START_ATTEMPTS else None):
+            with _registration_polled(REGISTER_LIMIT_S if attempt < START_ATTEMPTS else None,
+                                      self._temp_dir):
                 self._start_raylets()
         except Exception as exc:  # process boundary: any Ray failure becomes one typed error
             if self._failed_logs is not None:   # why Ray's start failed: its own logs

@@ -14,7 +14,7 @@ import ray
 
 from phalanx.configs.errors import ServiceStartError
 from phalanx.configs.schema import RayConfig
-from phalanx.launcher.services.ray_cluster import LocalRay, node_resource
+from phalanx.launcher.services.ray_cluster import LocalRay, node_resource, running_raylets
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -27,6 +27,9 @@ def test_a_raylet_dead_at_start_up_fails_the_first_work_within_seconds() -> None
     with LocalRay(RayConfig(virtual_nodes=2), log_to_driver=False) as cluster:   # starts it
         first = ray.remote(num_cpus=0, max_retries=0)(_pid)
         raylet = cluster.node_pids(1)[0]
+        # the raylets a stalled start's error counts: the head's and each virtual node's
+        assert raylet in running_raylets(cluster._temp_dir)
+        assert len(running_raylets(cluster._temp_dir)) == 3
         os.kill(raylet, signal.SIGKILL)
         started = time.monotonic()
         refs = [first.options(resources={node_resource(i): 1}).remote() for i in (0, 1)]
