@@ -28,28 +28,64 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 class MemorySampler(threading.Thread):
     """Peak of (private memory of every process descending from ``root`` or sharing a
     session with one) + (growth of /dev/shm since the start), sampled every 0.2 s; the
-    processes are found again every ``TREE_S``."""
+    processes are found again every ``TREE_S``. ``parts``: that peak split by what holds
+    it (``part_of``), so a report can say where a system's memory goes."""
 
     def __init__(self, root: int) -> None:
         super().__init__(daemon=True)
         self.root, self.peak, self.processes = root, 0, 0
+        self.parts: dict[str, int] = {}
         self._halt = threading.Event()
         self._shm_base = _shm_used()
 
     def run(self) -> None:
-        members: set[int] = set()
+        members: dict[int, str] = {}
         found_at = 0.0
         while not self._halt.wait(SAMPLE_S):
             if time.monotonic() - found_at >= TREE_S:
-                members, found_at = process_tree(self.root), time.monotonic()
+                tree = process_tree(self.root)
+                members = {pid: members.get(pid) or part_of(pid, self.root) for pid in tree}
+                found_at = time.monotonic()
                 self.processes = max(self.processes, len(members))
-            private = sum(_private_bytes(pid) for pid in members)
-            self.peak = max(self.peak, private + max(0, _shm_used() - self._shm_base))
+            private = {pid: _private_bytes(pid) for pid in members}
+            shm = max(0, _shm_used() - self._shm_base)
+            total = sum(private.values()) + shm
+            if total > self.peak:
+                self.peak = total
+                parts = {"shared memory": shm} if shm else {}
+                for pid, nbytes in private.items():
+                    parts[members[pid]] = parts.get(members[pid], 0) + nbytes
+                self.parts = parts
 
     def stop(self) -> int:
         self._halt.set()
         self.join(timeout=5)
         return self.peak
+
+
+# (part, words any of which its command line holds), first match wins; the rest: "workers"
+_PARTS = (("ranks", ("ray::WorkerActor.run",)),
+          ("spares", ("ray::WorkerActor",)),
+          ("keepers", ("ray::KeeperActor",)),
+          ("etcd", ("/etcd ", "etcdbin/etcd")),
+          ("ray", ("ray::", "/ray/", "raylet", "gcs_server")),
+          ("lighthouse", ("lighthouse",)))
+
+
+def part_of(pid: int, root: int) -> str:
+    """What process ``pid`` of a run is, by its command line: ``launcher`` (the run's own
+    first process: torchrun, torchft's supervisor, ``phalanx launch``), ranks, spares,
+    keepers, etcd, ray (Ray's own processes), lighthouse, or workers (any other: torchrun's
+    and torchft's training processes)."""
+    if pid == root:
+        return "launcher"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmdline = fh.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return "workers"
+    return next((part for part, words in _PARTS if any(w in cmdline for w in words)),
+                "workers")
 
 
 def _shm_used() -> int:
@@ -218,6 +254,7 @@ class Supervised:
         self.world = world
         self.code: int | None = None
         self.peak = 0
+        self.parts: dict[str, int] = {}
         self.processes = 0
         self.killer: Killer | None = None
 
@@ -250,4 +287,4 @@ class Supervised:
                 if self.killer is not None:
                     self.killer.stop()
                 self.peak = sampler.stop()
-                self.processes = sampler.processes
+                self.parts, self.processes = sampler.parts, sampler.processes

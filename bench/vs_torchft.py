@@ -71,7 +71,7 @@ def run_torchft(run: Any, work: Path, timeout_s: float,
     records = {r: json_lines(prog / f"rank{r}.jsonl") for r in range(run.world)}
     out = _measure(records, run, started, wall)
     out.update({"returncode": code, "peak_host_memory_bytes": peak,
-                "processes": watch.processes})
+                "processes": watch.processes, "peak_memory_parts": watch.parts})
     errors = []
     if code is None:
         errors.append(f"timed out after {timeout_s:.0f} s (stopped with SIGTERM)")

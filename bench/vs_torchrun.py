@@ -170,6 +170,7 @@ def run_torchrun(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
     records = {r: json_lines(prog / f"rank{r}.jsonl") for r in range(run.world)}
     out: dict[str, Any] = {"returncode": code, "wall_s": round(wall, 3),
                            "peak_host_memory_bytes": peak, "processes": watch.processes,
+                           "peak_memory_parts": watch.parts,
                            "bytes_written": du(ckpt), "checkpoints": _checkpoints(ckpt)}
     rank0 = records[0]
     out.update(step_figures(   # the same windows in every run, faulted or not
@@ -320,7 +321,7 @@ def run_phalanx(run: Run, work: Path, timeout_s: float) -> dict[str, Any]:
     rank0 = json_lines(Path(f"{live}.rank0.live"))
     out: dict[str, Any] = {
         "returncode": code, "wall_s": round(wall, 3), "peak_host_memory_bytes": peak,
-        "processes": sampler.processes,
+        "processes": sampler.processes, "peak_memory_parts": sampler.parts,
         "bytes_written": sum(int(e.get("bytes", 0)) for e in events
                              if e.get("event") == "tier_persisted"),
         **step_figures(steps[0], [found[0][1] if found else None for found in steps.values()],

@@ -46,6 +46,7 @@ def summarize(runs: list[dict[str, Any]], labels: dict[str, str],
             cell["differs_because"] = next((r["differs_because"] for r in ok
                                             if r.get("differs_because")), None)
             cell["goodput"] = _median_goodput(ok)
+            cell["peak_memory_parts"] = _median_parts(ok, cell["peak_host_memory_bytes"])
             cell["effective"] = cell["goodput"]["effective"] if cell["goodput"] else None
         for name, metric in OVERHEADS.items():
             baseline = cells.get("torchrun", {}).get(metric)
@@ -54,6 +55,15 @@ def summarize(runs: list[dict[str, Any]], labels: dict[str, str],
                 cell[name] = (round(step / baseline - 1, 4)
                               if step is not None and baseline else None)
     return out
+
+
+def _median_parts(runs: list[dict[str, Any]], peak: float | None) -> dict[str, int] | None:
+    """Where the peak host memory went (``run_watch.part_of``), in the run whose peak is
+    nearest the median: what each part of a system costs a user."""
+    runs = [r for r in runs if r.get("peak_memory_parts") and r.get("peak_host_memory_bytes")]
+    if not runs or peak is None:
+        return None
+    return min(runs, key=lambda r: abs(r["peak_host_memory_bytes"] - peak))["peak_memory_parts"]
 
 
 def _median_goodput(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -183,6 +193,7 @@ def markdown(report: dict[str, Any]) -> str:
                   for c in cells.values() if c.get("differs_because")]
         lines += [""] if any(c.get("differs_because") for c in cells.values()) else []
         lines += _goodput_table(cells)
+        lines += _memory_table(cells)
         ratios = report["ratios"].get(job, {})
         if ratios:
             lines += ["phalanx / peer ratios (below 1: phalanx is lower):", "",
@@ -219,6 +230,21 @@ def _fault_row(cell: dict[str, Any]) -> list[Any]:
             cell["lost_steps"], cell["degraded_steps"], _mib(cell["bytes_written"]),
             _mib(cell["peak_host_memory_bytes"]), _same(cell["identical_to_fault_free"]),
             f"{cell['ok_runs']}/{cell['runs']}"]
+
+
+def _memory_table(cells: dict[str, dict[str, Any]]) -> list[str]:
+    """Per system: its peak host memory split by what held it (MiB)."""
+    parts = {c["label"]: c["peak_memory_parts"] for c in cells.values()
+             if c.get("peak_memory_parts")}
+    if not parts:
+        return []
+    names = sorted({n for p in parts.values() for n in p},
+                   key=lambda n: (-max(p.get(n, 0) for p in parts.values()), n))
+    rows = [[label, _mib(sum(p.values())), *[_mib(p.get(n)) if n in p else "-" for n in names]]
+            for label, p in parts.items()]
+    return ["Peak host memory by part (MiB; private memory of each kind of process and the "
+            "growth of /dev/shm, at the sample of the peak, in the run nearest the median "
+            "peak):", "", markdown_table(["system", "peak", *names], rows), ""]
 
 
 def _goodput_table(cells: dict[str, dict[str, Any]]) -> list[str]:

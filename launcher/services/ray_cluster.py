@@ -8,14 +8,15 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import ray  # the package __init__ set Ray's environment before this import
-from ray._private import ray_constants, services as ray_services
+from ray._private import node as ray_node, ray_constants, services as ray_services
 from ray.cluster_utils import Cluster
 
 from phalanx.configs.errors import ServiceStartError
@@ -34,6 +35,9 @@ NODE_LOOKUP_S = 5.0        # one of Ray's node lookups answers within this (1-2 
 # A node not registered this long after Ray first looked for it: the attempt is given up
 # (all but the last attempt; the last waits Ray's own 30 s). A node registers in 0.5-2 s.
 REGISTER_LIMIT_S = 10.0
+SPAWN_CHECK_MS = 200   # Ray's wait for the GCS's port file looks for a dead GCS this often
+# the logs a failed start keeps (``LocalRay.keep_logs``), by file name prefix
+KEPT_LOGS = ("raylet", "gcs_server", "dashboard", "runtime_env_agent", "log_monitor")
 
 
 class RegistrationStalled(Exception):
@@ -42,9 +46,101 @@ class RegistrationStalled(Exception):
     starts Ray once more."""
 
 
+class RayProcessDied(Exception):
+    """A GCS or raylet that Ray spawned for this start has exited: the attempt cannot
+    succeed, so it is given up at once (not a ``RuntimeError``: Ray's start does not take
+    it for "not registered yet" and ask again)."""
+
+
+class Spawns:
+    """The processes Ray spawned during one start (``_spawns_kept``): what each said before
+    opening its own logs, and whether a GCS or raylet among them died."""
+
+    VITAL = ("gcs_server", "raylet")   # without these the start cannot succeed
+
+    def __init__(self, into: Path) -> None:
+        self.into = into
+        self.entries: list[tuple[str, Any, Path]] = []   # (type, ProcessInfo, output file)
+
+    def _exited(self) -> list[tuple[str, int, str]]:
+        out = []
+        for kind, info, path in self.entries:
+            code = info.process.poll()
+            if code is None:
+                continue
+            try:
+                said = path.read_bytes()[:300].decode("utf-8", "replace").strip()
+            except OSError:
+                said = ""
+            out.append((kind, code, said))
+        return out
+
+    def check(self) -> None:
+        """Raise ``RayProcessDied`` if a GCS or raylet spawned for this start has exited."""
+        dead = [e for e in self._exited() if e[0] in self.VITAL]
+        if dead:
+            raise RayProcessDied(f"Ray's {dead[0][0]} exited {dead[0][1]} as it started "
+                                 f"({self.report()})")
+
+    def report(self) -> str:
+        """How many spawned processes run; each exited one's type, status, first words."""
+        exited = self._exited()
+        return "; ".join([f"{len(self.entries) - len(exited)} of {len(self.entries)} spawned "
+                          "Ray process(es) running",
+                          *(f"{kind} exited {code}" + (f" saying {said!r}" if said else "")
+                            for kind, code, said in exited)])
+
+
+@contextlib.contextmanager
+def _spawns_kept(spawns: Spawns) -> Iterator[Spawns]:
+    """While Ray starts: each process Ray spawns with its output sent to /dev/null (the
+    GCS, raylets, the log monitor: each redirects its own output once running) writes it
+    to ``<spawns.into>/<type>-spawn-<n>.err`` instead, until it opens its own log files; and Ray's
+    wait for the GCS's port file gives up as soon as that GCS has died (``Spawns.check``),
+    not after Ray's 30 s. Found so: Ray's start-up "stalls" were processes that died at
+    once and silently. A GCS aborted (exit -6) within a millisecond of its start, saying
+    only ``Epoll1Poller ... epoll_wait error: Bad file descriptor`` (gRPC's poller), and
+    Ray waited 30 s for its port file; in other stalls no raylet of the cluster ran and
+    none had written a log."""
+    original = ray_services.start_ray_process
+    original_wait = ray_node.wait_for_persisted_port
+
+    def start_ray_process(command: list[str], process_type: str, *args: Any,
+                          **kwargs: Any) -> Any:
+        if kwargs.get("stderr_file") is not subprocess.DEVNULL:
+            return original(command, process_type, *args, **kwargs)
+        path = spawns.into / f"{process_type}-spawn-{len(spawns.entries)}.err"
+        with path.open("ab") as sink:     # the child keeps its own copy of the descriptor
+            info = original(command, process_type, *args,
+                            **{**kwargs, "stdout_file": sink, "stderr_file": sink})
+        spawns.entries.append((process_type, info, path))
+        return info
+
+    def wait_for_persisted_port(*args: Any, timeout_ms: int, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            spawns.check()
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            try:
+                return original_wait(*args, timeout_ms=max(1, min(SPAWN_CHECK_MS, left_ms)),
+                                     **kwargs)
+            except RuntimeError:   # "Timed out waiting for file": Ray's own limit decides
+                if left_ms <= SPAWN_CHECK_MS:
+                    raise
+
+    ray_services.start_ray_process = start_ray_process
+    ray_node.wait_for_persisted_port = wait_for_persisted_port
+    try:
+        yield spawns
+    finally:
+        ray_services.start_ray_process = original
+        ray_node.wait_for_persisted_port = original_wait
+
+
 @contextlib.contextmanager
 def _registration_polled(limit_s: float | None = None,
-                         cluster_dir: Path | None = None) -> Any:
+                         cluster_dir: Path | None = None,
+                         spawns: Spawns | None = None) -> Any:
     """While virtual nodes start: Ray's ``Node`` start asks the GCS for the new raylet's
     record (``services.get_node``), and Ray 2.60's lookup sleeps one whole second after a
     miss. Its first look comes 0.1 s after the raylet was spawned, before the raylet
@@ -67,6 +163,8 @@ def _registration_polled(limit_s: float | None = None,
     first_look: dict[str, float] = {}
 
     def get_node(gcs_address: str, node_id: str) -> Any:
+        if spawns is not None:
+            spawns.check()     # a dead raylet never registers: no wait, on any attempt
         now = time.monotonic()
         since = first_look.setdefault(node_id, now)
         if limit_s is not None and now - since > limit_s:
@@ -74,7 +172,7 @@ def _registration_polled(limit_s: float | None = None,
                         now - since)
             raylets = "" if cluster_dir is None else (
                 f" ({len(running_raylets(cluster_dir))} raylet process(es) of the cluster "
-                "running)")
+                "running" + ("" if spawns is None else f": {spawns.report()}") + ")")
             raise RegistrationStalled(f"node {node_id[:12]} not registered with Ray's GCS "
                                       f"{now - since:.0f} s after Ray started it{raylets}")
         deadline = now + REGISTERED_WAIT_S
@@ -82,6 +180,8 @@ def _registration_polled(limit_s: float | None = None,
             deadline = min(deadline, since + limit_s)
         while ray.is_initialized() and time.monotonic() < deadline \
                 and node_id not in {node["NodeID"] for node in ray.nodes()}:
+            if spawns is not None:
+                spawns.check()
             time.sleep(REGISTERED_POLL_S)
         return bounded_lookup(original, gcs_address, node_id, NODE_LOOKUP_S)
 
@@ -251,15 +351,18 @@ class LocalRay:
         self._temp_dir = Path(tempfile.mkdtemp(prefix="phx-ray-", dir="/tmp"))
         ray_address_dir().mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
+        spawns = Spawns(self._temp_dir)
         try:
-            with _registration_polled(REGISTER_LIMIT_S if attempt < START_ATTEMPTS else None,
-                                      self._temp_dir):
+            with _spawns_kept(spawns), \
+                    _registration_polled(REGISTER_LIMIT_S if attempt < START_ATTEMPTS else None,
+                                         self._temp_dir, spawns):
                 self._start_raylets()
         except Exception as exc:  # process boundary: any Ray failure becomes one typed error
             if self._failed_logs is not None:   # why Ray's start failed: its own logs
                 self.keep_logs(self._failed_logs / f"attempt-{attempt}")
+            report = "" if isinstance(exc, RayProcessDied) else f" ({spawns.report()})"
             self.close()
-            raise ServiceStartError(f"local Ray did not start: {exc}") from exc
+            raise ServiceStartError(f"local Ray did not start: {exc}{report}") from exc
         log.info("event=ray_started nodes=%d seconds=%.2f address=%s", self._cfg.virtual_nodes,
                  time.monotonic() - started, self.address)
         return self
@@ -396,14 +499,16 @@ class LocalRay:
             self._temp_dir = None
 
     def keep_logs(self, dest: Path, tail_bytes: int = 1 << 20) -> list[Path]:
-        """Copy the tails of the raylets' and the GCS's logs to ``dest`` (the temp dir with
-        the originals goes at ``close``): why Ray declared a node dead, or a raylet died."""
+        """Copy the tails of the Ray processes' logs (``KEPT_LOGS``) and of what each wrote
+        before opening them (``_spawns_kept``) to ``dest`` (the temp dir with the originals
+        goes at ``close``): why Ray declared a node dead, or a raylet died."""
         if self._temp_dir is None:
             return []
         kept = []
-        for log_file in sorted(self._temp_dir.glob("session_latest/logs/*")):
-            if not log_file.is_file() or not log_file.name.startswith(
-                    ("raylet", "gcs_server", "dashboard", "runtime_env_agent")):
+        for log_file in sorted([*self._temp_dir.glob("session_latest/logs/*"),
+                                *self._temp_dir.glob("*-spawn-*.err")]):
+            if not log_file.is_file() or (log_file.parent.name == "logs"
+                                          and not log_file.name.startswith(KEPT_LOGS)):
                 continue
             dest.mkdir(parents=True, exist_ok=True)
             with log_file.open("rb") as src:

@@ -90,3 +90,60 @@ def test_without_a_limit_rays_own_lookup_decides(monkeypatch) -> None:
     monkeypatch.setattr(ray_cluster.ray_services, "get_node", registers_late)
     with ray_cluster._registration_polled(limit_s=None):
         assert _rays_node_start_loop(5.0) < 2.0
+
+
+def _spawn(kind: str, code: str) -> None:
+    """Ray's own process spawn, as Ray calls it for its GCS and raylets (output to
+    /dev/null, the process opening its own logs once running)."""
+    import subprocess
+    import sys
+    ray_cluster.ray_services.start_ray_process(
+        [sys.executable, "-c", code], kind, fate_share=False,
+        stdout_file=subprocess.DEVNULL, stderr_file=subprocess.DEVNULL)
+
+
+def test_a_gcs_that_dies_at_start_ends_rays_wait_for_its_port_at_once(tmp_path) -> None:
+    spawns = ray_cluster.Spawns(tmp_path)
+    original_wait = ray_node.wait_for_persisted_port
+    with ray_cluster._spawns_kept(spawns):
+        _spawn("gcs_server", "import sys; sys.stderr.write('epoll_wait error'); sys.exit(3)")
+        _spawn("log_monitor", "import time; time.sleep(3)")
+        started = time.monotonic()
+        # Ray waits 30 s for the port file of a GCS that will never write it
+        with pytest.raises(ray_cluster.RayProcessDied,
+                           match=r"gcs_server exited 3 .*1 of 2 spawned Ray process\(es\) "
+                                 r"running; gcs_server exited 3 saying 'epoll_wait error'"):
+            ray_node.wait_for_persisted_port(str(tmp_path), "ab" * 28, "gcs_server_port",
+                                             timeout_ms=30_000)
+        assert time.monotonic() - started < 2.0
+    assert ray_node.wait_for_persisted_port is original_wait     # Ray's own again after
+    assert (tmp_path / "gcs_server-spawn-0.err").read_text() == "epoll_wait error"
+
+
+def test_a_live_gcs_leaves_the_wait_to_rays_own_limit(tmp_path) -> None:
+    spawns = ray_cluster.Spawns(tmp_path)
+    with ray_cluster._spawns_kept(spawns):
+        _spawn("gcs_server", "import time; time.sleep(5)")
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="Timed out waiting for file"):
+            ray_node.wait_for_persisted_port(str(tmp_path), "ab" * 28, "gcs_server_port",
+                                             timeout_ms=700)
+        assert 0.7 <= time.monotonic() - started < 1.5
+        assert spawns.report() == "1 of 1 spawned Ray process(es) running"
+        spawns.entries[0][1].process.kill()
+
+
+def test_a_raylet_that_died_is_not_waited_for_on_any_attempt(monkeypatch, tmp_path) -> None:
+    def unregistered(gcs: str, node: str) -> None:
+        raise RuntimeError("node not found")
+
+    monkeypatch.setattr(ray_cluster.ray_services, "get_node", unregistered)
+    spawns = ray_cluster.Spawns(tmp_path)
+    with ray_cluster._spawns_kept(spawns), \
+            ray_cluster._registration_polled(limit_s=None, cluster_dir=tmp_path, spawns=spawns):
+        _spawn("raylet", "import os; os.abort()")
+        spawns.entries[0][1].process.wait(timeout=10)
+        started = time.monotonic()
+        with pytest.raises(ray_cluster.RayProcessDied, match=r"raylet exited -6"):
+            _rays_node_start_loop(5.0)    # the last attempt: no limit, yet no 30 s wait
+        assert time.monotonic() - started < 1.0
