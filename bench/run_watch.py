@@ -43,8 +43,8 @@ class MemorySampler(threading.Thread):
         found_at = 0.0
         while not self._halt.wait(SAMPLE_S):
             if time.monotonic() - found_at >= TREE_S:
-                tree = process_tree(self.root)
-                members = {pid: members.get(pid) or part_of(pid, self.root) for pid in tree}
+                # named again each time: a Ray worker starts as ray::IDLE, becomes an actor
+                members = {pid: part_of(pid, self.root) for pid in process_tree(self.root)}
                 found_at = time.monotonic()
                 self.processes = max(self.processes, len(members))
             private = {pid: _private_bytes(pid) for pid in members}
