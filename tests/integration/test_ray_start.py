@@ -39,3 +39,33 @@ def test_a_raylet_dead_at_start_up_fails_the_first_work_within_seconds() -> None
         # how it died is in the error: the signal, as the launcher reports a lost start
         assert cluster.raylet_exits() == {1: -signal.SIGKILL}
         assert "{1: -9}" in str(raised.value)
+
+
+def test_a_gcs_dead_as_it_starts_is_started_again_at_once(monkeypatch, tmp_path) -> None:
+    """Ray's GCS aborting as it starts (seen: gRPC's ``epoll_wait error: Bad file
+    descriptor``, exit -6) ends the attempt as soon as it is gone, not after Ray's 30 s
+    wait for its port file; the next attempt starts the cluster and the failure, its
+    output and the attempt's logs are kept."""
+    from phalanx.launcher.services import ray_cluster
+
+    real = ray_cluster.ray_services.start_ray_process
+    killed: list[int] = []
+
+    def spawn(command, process_type, *args, **kwargs):     # Ray's own spawn, then SIGABRT
+        info = real(command, process_type, *args, **kwargs)
+        if process_type == "gcs_server" and not killed:
+            killed.append(info.process.pid)
+            os.kill(info.process.pid, signal.SIGABRT)
+        return info
+
+    monkeypatch.setattr(ray_cluster.ray_services, "start_ray_process", spawn)
+    started = time.monotonic()
+    cluster = LocalRay(RayConfig(virtual_nodes=1), log_to_driver=False,
+                       failed_logs=tmp_path / "ray-logs")
+    with cluster:
+        took = time.monotonic() - started
+        assert cluster.attempts == 2 and len(killed) == 1
+        assert len(running_raylets(cluster._temp_dir)) == 2        # the second start's
+    assert "gcs_server exited -6" in cluster.failures[0], cluster.failures
+    assert took < 25.0, took             # Ray alone waits 30 s for the dead GCS's port file
+    assert (tmp_path / "ray-logs" / "attempt-1" / "gcs_server-spawn-0.err").exists()
