@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -47,6 +48,8 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batchnorm", action="store_true")
+    parser.add_argument("--zero", action="store_true",
+                        help="shard the optimizer state over the ranks (ZeroRedundancyOptimizer)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--out", default="", help="write the final hash to OUT.rank<r>")
     return parser.parse_args()
@@ -83,7 +86,11 @@ def main():
                         num_workers=args.workers)
     test_loader = DataLoader(Regression(64, seed=3), batch_size=32)
     model = DDP(make_model(args.batchnorm))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.zero:
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD,
+                                            lr=args.lr, momentum=0.9)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)

@@ -46,6 +46,7 @@ from phalanx.configs.errors import ConfigError, ReplicasNeverAgreed
 from phalanx.configs.loader import load_config_text
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.snapshot.spec_names import escape_segment
+from phalanx.runtime.snapshot.zero import is_zero
 from phalanx.runtime.consistency.digest import (Agreement, ReplicaStatus, agreement_vector,
                                                 never_agreed_message, read_agreement,
                                                 replica_digest)
@@ -70,6 +71,16 @@ def replicated_names(ctx: WorkerContext) -> tuple[str, ...]:
         return ()
     detection = cfg.detection
     return tuple(detection.replicated_state) if detection.compare_replicas else ()
+
+
+def compared_names(objects: Mapping[str, Any], names: Sequence[str]) -> tuple[str, ...]:
+    """``names`` less the objects no two ranks hold alike by construction: a
+    ZeroRedundancyOptimizer (each rank holds its own partition's state,
+    ``runtime.snapshot.zero``), whatever ``detection.replicated_state`` lists."""
+    left_out = [name for name in names if is_zero(objects.get(name))]
+    if left_out:
+        log.info("event=replica_check_skips names=%s reason=sharded_optimizer", left_out)
+    return tuple(name for name in names if name not in left_out)
 
 
 def per_rank_tensors(objects: Mapping[str, Any], names: Sequence[str]) -> frozenset[str]:

@@ -5,8 +5,9 @@
   and the state of an optimizer whose parameters are all such parameters. A lost rank is
   healed from a survivor's memory; snapshots of it are needed only when every replica is
   lost, so they are taken at the full-snapshot interval only.
-- **sharded**: ``DTensor`` state (FSDP2 parameters and their optimizer state): no live copy
-  exists elsewhere, so it is snapshotted with the per-rank state.
+- **sharded**: ``DTensor`` state (FSDP2 parameters and their optimizer state) and a
+  ``ZeroRedundancyOptimizer``'s partition (``runtime.snapshot.zero``): no live copy exists
+  elsewhere, so it is snapshotted with the per-rank state.
 - **per_rank**: everything else: RNGs, data position, extras, schedulers, module buffers
   (BatchNorm statistics differ per rank without SyncBatchNorm), plain modules.
 
@@ -25,6 +26,8 @@ from typing import Any, Iterator, Literal, Mapping
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+
+from phalanx.runtime.snapshot.zero import is_zero
 
 log = logging.getLogger(__name__)
 StateClass = Literal["replicated", "sharded", "per_rank"]
@@ -165,7 +168,13 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
         if isinstance(obj, torch.nn.Module):
             continue
         kind = "per_rank"
-        if isinstance(obj, torch.optim.Optimizer):
+        if is_zero(obj):     # each rank holds its own partition's state (runtime.snapshot.zero)
+            kind = "sharded"
+            if declared.get(name, kind) == "replicated":
+                raise ValueError(f"state {name!r} is a ZeroRedundancyOptimizer, declared "
+                                 "replicated: each rank holds only its own partition's "
+                                 "state; leave it undeclared (sharded)")
+        elif isinstance(obj, torch.optim.Optimizer):
             params = list(_optimizer_params(obj))
             if any(_is_sharded(p) for p in params):
                 kind = "sharded"

@@ -17,6 +17,7 @@ import torch
 from phalanx.configs.errors import SnapshotCorrupt
 from phalanx.runtime.snapshot import dtensor
 from phalanx.runtime.snapshot.spec_names import DTENSOR_TAG, escape_segment
+from phalanx.runtime.snapshot.zero import stateful
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -185,7 +186,7 @@ def flatten_state(objects: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], 
         if kind == "generator":
             tree = flat.encode(obj.get_state(), _join("", name))
         elif kind == "state_dict":
-            tree = flat.encode(obj.state_dict(), _join("", name))
+            tree = flat.encode(stateful(obj).state_dict(), _join("", name))
         else:
             tree = flat.encode(obj, _join("", name))
         specs[name] = {"kind": kind, "tree": tree}
@@ -402,7 +403,7 @@ def apply_state(objects: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
         if kind == "generator":
             obj.set_state(tree)
         elif kind == "state_dict":
-            obj.load_state_dict(tree)
+            stateful(obj).load_state_dict(tree)
         else:
             values[name] = assign_in_place(obj, tree)
     if isinstance(objects, MutableMapping):  # after the loop: never mutate while iterating

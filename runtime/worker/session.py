@@ -50,7 +50,8 @@ from phalanx.runtime.worker.drill_hooks import (gate_reason, hold_at_gate, raise
                                                write_memory_map)
 from phalanx.runtime.worker.recovering import Rejoining
 from phalanx.runtime.consistency.digest import REPLICAS_EXTRA
-from phalanx.runtime.consistency.verify import ReplicaVerifier, per_rank_tensors, replicated_names
+from phalanx.runtime.consistency.verify import (ReplicaVerifier, compared_names,
+                                                per_rank_tensors, replicated_names)
 from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter
 from phalanx.runtime.snapshot.state_classes import StateClasses
 from phalanx.runtime.snapshot.state_tree import (RNGState, assign_in_place, flatten_state,
@@ -266,7 +267,7 @@ class Session(Rejoining):
             checksum_algo=ctx.checksum)
         if self._snapshotter.auto and not ctx.standalone_run and ctx.world_size > 1:
             self._snapshotter.agree_interval(1)     # see _agree_interval
-        names = replicated_names(ctx)
+        names = compared_names(self._objects, replicated_names(ctx))
         if names:
             self._verifier = ReplicaVerifier(names, ctx.world_size, ctx.generation,
                                              self._snapshotter,

@@ -19,6 +19,7 @@ from tests.integration.launching import ROOT, startup_lost
 
 pytestmark = pytest.mark.integration
 EXAMPLE = ROOT / "examples" / "ddp_torchrun.py"
+PORTED = ROOT / "examples" / "ddp_phalanx.py"
 HASH = re.compile(r"^rank \d+ final parameter hash ([0-9a-f]{64})$", re.M)
 
 WRAPPER = f'''"""The user's entry script: reads its own package `configs`, then runs the example."""
@@ -135,3 +136,44 @@ def test_the_nanogpt_loop_survives_kill_worker_with_torchruns_parameters(tmp_pat
         finals = [h for log in (run / "logs").glob("rank_*.log")
                   for h in HASH.findall(log.read_text())]
         assert len(finals) == 2 and set(finals) == expected, (run.name, finals)
+
+
+@pytest.mark.timeout(600)
+def test_a_zero_redundancy_optimizer_survives_kill_node_with_torchruns_parameters(
+        tmp_path: Path) -> None:
+    """DDP with ``ZeroRedundancyOptimizer`` (``--zero``): each rank holds only its own
+    partition of the optimizer state, so a lost rank's partition comes from its snapshot
+    (a replica on the surviving node) while the DDP parameters heal from the survivor.
+    The shipped ``kill_node`` drill passes and both ranks end with the parameters the same
+    script (its Session standalone) ends with under torchrun;
+    before, the Session's snapshot called ZeRO's ``state_dict()`` (a collective-only
+    consolidation) and the job failed at its first snapshot."""
+    from tests.integration.test_drills import drill, report_of
+
+    argv = ["--epochs", "2", "--sleep", "0.05", "--batchnorm", "--zero"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(port), str(PORTED), *argv, "--out", str(tmp_path / "torchrun")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    expected = set(final_hashes(tmp_path / "torchrun", 2))
+    assert len(expected) == 1
+    # the shipped kill_node scenario, with the final state checked against torchrun's
+    # below instead of against a second, fault-free phalanx run
+    scenario = tmp_path / "kill_node.yaml"
+    scenario.write_text((ROOT / "configs" / "drills" / "kill_node.yaml").read_text()
+                        .replace("final_state: identical", ""))
+    result = drill("run", str(scenario), "--config", "configs/ddp.yaml",
+                   "--set", "job.world_size=2", "--set", f"job.argv={json.dumps(argv)}",
+                   run_root=tmp_path / "runs", timeout_s=400)
+    assert result.returncode == 0, result.stderr[-5000:]
+    report = report_of(result)
+    assert report["passed"], report["checks"]
+    run = Path(report["run"]["run_dir"])
+    logs = "".join(log.read_text() for log in (run / "logs").glob("rank_*.log"))
+    assert "optimizer=sharded" in logs                      # never sent from a survivor
+    finals = HASH.findall(logs)
+    assert len(finals) == 2 and set(finals) == expected, finals
