@@ -48,6 +48,8 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batchnorm", action="store_true")
+    parser.add_argument("--persistent-workers", action="store_true",
+                        help="keep the loader's worker processes from one epoch to the next")
     parser.add_argument("--zero", action="store_true",
                         help="shard the optimizer state over the ranks (ZeroRedundancyOptimizer)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
@@ -83,7 +85,7 @@ def main():
     data = Regression(args.samples, seed=1)
     sampler = DistributedSampler(data, shuffle=True, seed=2)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
-                        num_workers=args.workers)
+                        num_workers=args.workers, persistent_workers=args.persistent_workers)
     test_loader = DataLoader(Regression(64, seed=3), batch_size=32)
     model = DDP(make_model(args.batchnorm))
     if args.zero:

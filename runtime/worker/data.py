@@ -78,6 +78,12 @@ class LoaderPosition:
         self._replay_next: int | None = None  # see begin_pass
         self.start_rng: torch.Tensor | None = None
         self.start_generator: torch.Tensor | None = None
+        # persistent workers: the RNG state the first pass started from, where the
+        # workers' base seed was drawn (``_persistent_iter``)
+        self.persistent = (loader.persistent_workers and loader.num_workers > 0
+                           and not self.stateful)
+        self.first_rng: torch.Tensor | None = None
+        self.first_generator: torch.Tensor | None = None
         self.pending: dict[str, Any] | None = None   # a restore not yet applied
         self.restores = 0               # how many restores were loaded (iterators compare)
         if not self.stateful:
@@ -97,9 +103,15 @@ class LoaderPosition:
             state["rng"] = self.start_rng if self.start_rng is not None else torch.get_rng_state()
             if self.start_generator is not None:
                 state["generator"] = self.start_generator
+            if self.first_rng is not None:
+                state["first_rng"] = self.first_rng
+                if self.first_generator is not None:
+                    state["first_generator"] = self.first_generator
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.persistent and "first_rng" in state:
+            self.first_rng, self.first_generator = state["first_rng"], state.get("first_generator")
         self.pending = dict(state)
         self.restores += 1
         # a snapshot written before "first" existed: its pass is the epoch's first
@@ -146,10 +158,12 @@ class LoaderPosition:
         generator = loader.generator
         now = torch.get_rng_state()
         now_generator = generator.get_state() if generator is not None else None
-        base_iter = self._base.__iter__
+        base_iter = self._persistent_iter if self.persistent else self._base.__iter__
         if restored is None and not keep_rng:
             self.start_rng = now
             self.start_generator = now_generator
+            if self.persistent and self.passes == 0:
+                self.first_rng, self.first_generator = now, now_generator
             return base_iter(loader)
         try:
             if restored is None:
@@ -159,10 +173,12 @@ class LoaderPosition:
                 return base_iter(loader)
             self.start_rng = restored["rng"]
             self.start_generator = restored.get("generator")
-            torch.set_rng_state(self.start_rng)
-            if generator is not None and self.start_generator is not None:
-                generator.set_state(self.start_generator)
+            _set_rng(self.start_rng, generator, self.start_generator)
             self.skip = self.yielded     # every iter(sampler) while it is built skips
+            if self.persistent and self.passes == 0 and loader._iterator is not None:
+                # back into the first pass: its iterator is made anew, as it was then
+                loader._iterator._shutdown_workers()     # type: ignore[attr-defined]
+                loader._iterator = None
             it = base_iter(loader)
             if isinstance(loader.dataset, IterableDataset):   # no sampler to skip in
                 for _ in range(self.yielded):
@@ -175,6 +191,36 @@ class LoaderPosition:
                 generator.set_state(now_generator)
 
     skip = 0   # batches the sampler skips while a replayed pass's iterator is built
+
+    def _persistent_iter(self, loader: DataLoader) -> Iterator[Any]:
+        """``iter(loader)`` of a loader with persistent workers, for a pass starting at the
+        process's RNG state now. Its iterator is made at the first pass (its workers' base
+        seed and its sampler drawn from that pass's RNG) and reset at every later pass
+        (the sampler alone drawn). A replacement has no iterator yet: it is made from the
+        first pass's RNG state (so the workers seed every sample as the fault-free run
+        did) and, for a later pass, reset from this pass's RNG state, as the fault-free
+        run's later passes were. Without this a restored pass
+        drew its shuffle after a base seed and a second sampler draw, not first: another
+        order (found with a GAN script's ``shuffle=True, persistent_workers=True``)."""
+        base_iter = self._base.__iter__
+        if loader._iterator is not None or self.first_rng is None:
+            return base_iter(loader)
+        generator = loader.generator
+        now = torch.get_rng_state()
+        now_generator = generator.get_state() if generator is not None else None
+        _set_rng(self.first_rng, generator, self.first_generator)
+        it = base_iter(loader)
+        if self.passes != 0:
+            _set_rng(now, generator, now_generator)
+            it._reset(loader)
+        return it
+
+
+def _set_rng(state: torch.Tensor, generator: torch.Generator | None,
+             generator_state: torch.Tensor | None) -> None:
+    torch.set_rng_state(state)
+    if generator is not None and generator_state is not None:
+        generator.set_state(generator_state)
 
 
 class _ResumingIterator:

@@ -139,18 +139,23 @@ def test_the_nanogpt_loop_survives_kill_worker_with_torchruns_parameters(tmp_pat
 
 
 @pytest.mark.timeout(600)
-def test_a_zero_redundancy_optimizer_survives_kill_node_with_torchruns_parameters(
+def test_zero_and_persistent_workers_survive_kill_node_with_torchruns_parameters(
         tmp_path: Path) -> None:
-    """DDP with ``ZeroRedundancyOptimizer`` (``--zero``): each rank holds only its own
-    partition of the optimizer state, so a lost rank's partition comes from its snapshot
-    (a replica on the surviving node) while the DDP parameters heal from the survivor.
-    The shipped ``kill_node`` drill passes and both ranks end with the parameters the same
-    script (its Session standalone) ends with under torchrun;
-    before, the Session's snapshot called ZeRO's ``state_dict()`` (a collective-only
-    consolidation) and the job failed at its first snapshot."""
+    """DDP with ``ZeroRedundancyOptimizer`` (``--zero``) and a DataLoader whose workers
+    persist across epochs (``--persistent-workers``), a node lost in the second epoch.
+    ZeRO: each rank holds only its own partition of the optimizer state, so a lost rank's
+    partition comes from its snapshot (a replica on the surviving node) while the DDP
+    parameters heal from the survivor; before, the Session's snapshot called ZeRO's
+    ``state_dict()`` (a collective-only consolidation) and the job failed at its first
+    snapshot. Persistent workers: the replacement makes the loader's iterator from the
+    first epoch's RNG state (the workers' base seed, which seeds every sample's noise)
+    and resets it for the restored epoch; before, it drew the restored epoch's shuffle
+    from another RNG position (a GAN script ended with other parameters). Both ranks end
+    with the parameters the same script (its Session standalone) ends with under
+    torchrun."""
     from tests.integration.test_drills import drill, report_of
 
-    argv = ["--epochs", "2", "--sleep", "0.05", "--batchnorm", "--zero"]
+    argv = ["--epochs", "2", "--sleep", "0.05", "--batchnorm", "--zero", "--persistent-workers"]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -161,11 +166,13 @@ def test_a_zero_redundancy_optimizer_survives_kill_node_with_torchruns_parameter
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     expected = set(final_hashes(tmp_path / "torchrun", 2))
     assert len(expected) == 1
-    # the shipped kill_node scenario, with the final state checked against torchrun's
-    # below instead of against a second, fault-free phalanx run
+    # the shipped kill_node scenario in the second epoch (32 steps each), with the final
+    # state checked against torchrun's below instead of a second, fault-free phalanx run
     scenario = tmp_path / "kill_node.yaml"
-    scenario.write_text((ROOT / "configs" / "drills" / "kill_node.yaml").read_text()
-                        .replace("final_state: identical", ""))
+    shipped = (ROOT / "configs" / "drills" / "kill_node.yaml").read_text()
+    assert "at_step: 20" in shipped
+    scenario.write_text(shipped.replace("final_state: identical", "")   # epoch 2 of 2
+                        .replace("at_step: 20", "at_step: 40"))
     result = drill("run", str(scenario), "--config", "configs/ddp.yaml",
                    "--set", "job.world_size=2", "--set", f"job.argv={json.dumps(argv)}",
                    run_root=tmp_path / "runs", timeout_s=400)

@@ -1,9 +1,10 @@
 """A registered DataLoader's position (phalanx.runtime.worker.data): a rollback inside a pass
 and one into an earlier pass give the batches, augmentation noise drawn in worker
 processes and training RNG draws of the run without the rollback, for a plain DataLoader
-(DistributedSampler with shuffle and workers, RandomSampler with and without workers) and
-torchdata's StatefulDataLoader. The rollback is what a Session does on recovery: load the
-state captured at the restored step (loader position and RNG) into the live objects."""
+(DistributedSampler with shuffle and workers, RandomSampler with and without workers,
+workers persistent across passes or not) and torchdata's StatefulDataLoader. The
+rollback is what a Session does on recovery: load the state captured at the restored step
+(loader position and RNG) into the live objects."""
 from __future__ import annotations
 
 import copy
@@ -29,13 +30,16 @@ class Augmented(Dataset):
 
 def make(kind: str) -> DataLoader:
     data = Augmented()
-    if kind == "distributed-workers":
+    persistent = kind.endswith("-persistent")   # workers kept from one pass to the next
+    if kind.startswith("distributed-"):
         sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
-        return DataLoader(data, batch_size=4, sampler=sampler, num_workers=2)
+        return DataLoader(data, batch_size=4, sampler=sampler, num_workers=2,
+                          persistent_workers=persistent)
     if kind == "random":
         return DataLoader(data, batch_size=4, shuffle=True)
-    if kind == "random-workers":
-        return DataLoader(data, batch_size=4, shuffle=True, num_workers=2)
+    if kind.startswith("random-"):
+        return DataLoader(data, batch_size=4, shuffle=True, num_workers=2,
+                          persistent_workers=persistent)
     return StatefulDataLoader(data, batch_size=4, shuffle=True, num_workers=2)
 
 
@@ -53,7 +57,7 @@ def train(kind: str, rollback: tuple[int, int] | None = None, epochs: int = 3,
     rolled = False
     while epoch < epochs:
         current = epoch
-        if kind == "distributed-workers":
+        if kind.startswith("distributed-"):
             loader.sampler.set_epoch(epoch)
         for batch in loader:
             seen.append((step, current, batch.tolist(), torch.rand(()).item()))
@@ -72,10 +76,11 @@ def train(kind: str, rollback: tuple[int, int] | None = None, epochs: int = 3,
 
 
 @pytest.mark.parametrize("kind", ["distributed-workers", "random", "random-workers",
+                                  "random-persistent", "distributed-persistent",
                                   "stateful-workers"])
 def test_rollbacks_replay_the_same_batches_noise_and_rng(kind: str) -> None:
     reference = train(kind)
-    per_epoch = 5 if kind == "distributed-workers" else 10
+    per_epoch = 5 if kind.startswith("distributed-") else 10
     within = (per_epoch + 3, per_epoch + 1)         # inside the second pass
     across = (per_epoch + 2, per_epoch - 2)         # from the second pass into the first
     assert len(reference) == 3 * per_epoch
@@ -116,7 +121,7 @@ def train_with_peek(kind: str, replace: tuple[int, int] | None = None,
         replaced = False
         while epoch < epochs and not replaced:
             box["epoch"] = epoch
-            if kind == "distributed-workers":
+            if kind.startswith("distributed-"):
                 loader.sampler.set_epoch(epoch)
             size = len(next(iter(loader)))
             for batch in loader:
@@ -134,7 +139,8 @@ def train_with_peek(kind: str, replace: tuple[int, int] | None = None,
             return seen
 
 
-@pytest.mark.parametrize("kind", ["distributed-workers", "random-workers", "stateful-workers"])
+@pytest.mark.parametrize("kind", ["distributed-workers", "random-workers", "random-persistent",
+                                  "distributed-persistent", "stateful-workers"])
 def test_a_replacement_whose_epochs_peek_a_batch_resumes_at_the_restored_batch(
         kind: str) -> None:
     """The peek's ``iter(loader)`` in the restored epoch starts a pass of its own and
@@ -142,7 +148,7 @@ def test_a_replacement_whose_epochs_peek_a_batch_resumes_at_the_restored_batch(
     peek took the restored position and the loop ran the whole epoch again: a spare ran
     more steps than the survivors and the job hung in its last all-reduce.)"""
     reference = train_with_peek(kind)
-    per_epoch = 5 if kind == "distributed-workers" else 10
+    per_epoch = 5 if kind.startswith("distributed-") else 10
     assert len(reference) == 3 * per_epoch
     assert train_with_peek(kind, (per_epoch + 3, per_epoch + 2)) == reference
     assert train_with_peek(kind, (2 * per_epoch + 1, per_epoch - 2)) == reference
