@@ -13,8 +13,10 @@ batches the fault-free run saw.
 
 A registered loader's iterators check, before each batch, whether a restore happened since
 they last did: inside the same pass they rebuild themselves at the restored position; a
-restore into another pass ends the pass, and ``session.epochs`` re-enters the restored
-epoch, whose first ``iter(loader)`` resumes mid-epoch. A failed collective outside a step
+restore into a pass of an earlier epoch goes on in that pass (its sampler's epoch set
+back), and the code after the loop runs as that epoch's tail before ``session.epochs``
+goes on with the next epoch. A replacement's ``session.epochs`` enters the restored epoch,
+whose first ``iter(loader)`` resumes mid-epoch. A failed collective outside a step
 (an evaluation pass's all-reduce) is recovered there, before the next batch is fetched.
 
 How the position is captured:
@@ -85,6 +87,10 @@ class LoaderPosition:
         self.first_rng: torch.Tensor | None = None
         self.first_generator: torch.Tensor | None = None
         self.pending: dict[str, Any] | None = None   # a restore not yet applied
+        # a restore moved the live loop into a pass of this (earlier) epoch: what the
+        # script runs after its loop is that epoch's tail (``_ResumingIterator``;
+        # ``Session.epochs`` reads and clears it)
+        self.tail_of: int | None = None
         self.restores = 0               # how many restores were loaded (iterators compare)
         if not self.stateful:
             _wrap_index_sampler(loader, self)
@@ -100,6 +106,9 @@ class LoaderPosition:
         if self.stateful:
             state["inner"] = self._base.state_dict(self.loader)
         else:
+            sampler_epoch = getattr(self.loader.sampler, "epoch", None)
+            if type(sampler_epoch) is int:     # a DistributedSampler's set_epoch
+                state["sampler_epoch"] = sampler_epoch
             state["rng"] = self.start_rng if self.start_rng is not None else torch.get_rng_state()
             if self.start_generator is not None:
                 state["generator"] = self.start_generator
@@ -116,6 +125,26 @@ class LoaderPosition:
         self.restores += 1
         # a snapshot written before "first" existed: its pass is the epoch's first
         self._replay_next = int(self.pending.get("first", self.pending["pass"]))
+
+    def finish_restored_pass(self) -> bool:
+        """When the pending restore's position is the end of its pass (every batch of it
+        yielded: the step restored was its epoch's last, as when a rank died in the first
+        step of the next epoch and the ranks heal at the step before): take the restore
+        as done without making an iterator for nothing and return True. False when
+        batches of the restored pass are left."""
+        pending = self.pending
+        if pending is None or self.stateful:
+            return False
+        try:
+            size = len(self.loader)
+        except TypeError:                  # an iterable dataset without a length
+            return False
+        if int(pending["yielded"]) < size:
+            return False
+        self.pending, self._replay_next = None, None
+        self.passes, self.yielded = int(pending["pass"]), int(pending["yielded"])
+        self.first = int(pending.get("first", self.passes))
+        return True
 
     # -- iterator side ---------------------------------------------------------------
     def begin_pass(self) -> Iterator[Any]:
@@ -171,6 +200,8 @@ class LoaderPosition:
             if self.stateful:
                 self._base.load_state_dict(loader, restored["inner"])
                 return base_iter(loader)
+            if "sampler_epoch" in restored:     # a pass of another epoch: its order
+                self.loader.sampler.set_epoch(int(restored["sampler_epoch"]))  # type: ignore[attr-defined]
             self.start_rng = restored["rng"]
             self.start_generator = restored.get("generator")
             _set_rng(self.start_rng, generator, self.start_generator)
@@ -246,12 +277,22 @@ class _ResumingIterator:
             assert position.pending is not None
             restored_pass = int(position.pending["pass"])
             if restored_pass != self._pass:
+                # The loop goes on in the restored pass (of an earlier epoch) and its end
+                # is that epoch's end: the code after the loop runs once, as that epoch's
+                # tail, then ``session.epochs`` goes on with the next epoch, as on a
+                # replacement that enters the restored epoch. (Ending the pass here and
+                # re-entering the restored epoch ran the current epoch's tail too: on a
+                # survivor only, so its evaluation all-reduce met a replacement's
+                # training collective and gloo aborted; and a scheduler stepped twice.)
                 if position.epoch() is None:
                     raise LoaderPositionLost(self._pass, restored_pass)
-                log.info("event=loader_pass_ended pass=%d restored_pass=%d", self._pass,
-                         restored_pass)
-                raise StopIteration      # the epochs loop re-enters the restored pass
+                position.tail_of = position.epoch()
+                log.info("event=loader_pass_switched pass=%d restored_pass=%d epoch=%s",
+                         self._pass, restored_pass, position.tail_of)
+                if position.finish_restored_pass():      # nothing of it left
+                    raise StopIteration
             self._inner = position.resume_pass()
+            self._pass = position.passes
         batch = next(self._inner)
         position.yielded += 1
         return batch

@@ -495,10 +495,22 @@ class Session(Rejoining):
             while self._progress.epoch < count:
                 epoch = self._progress.epoch
                 yield epoch
-                if self._progress.epoch == epoch:   # else a restore moved it: re-enter
+                tail = self._restored_tail()
+                if tail is not None:      # the body's end ran as the restored epoch's tail
+                    self._progress.epoch = tail + 1
+                elif self._progress.epoch == epoch:   # else a restore moved it: re-enter
                     self._progress.epoch = epoch + 1
         finally:
             self._in_epochs = False
+
+    def _restored_tail(self) -> int | None:
+        """The restored epoch whose tail the epoch body just ran, if a registered loader's
+        pass ended at the restored end of an earlier pass (``finish_restored_pass``)."""
+        tail = None
+        for obj in self._objects.values():
+            if isinstance(obj, LoaderPosition) and obj.tail_of is not None:
+                tail, obj.tail_of = obj.tail_of, None
+        return tail
 
     @property
     def epoch(self) -> int:

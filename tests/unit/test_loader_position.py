@@ -44,9 +44,11 @@ def make(kind: str) -> DataLoader:
 
 
 def train(kind: str, rollback: tuple[int, int] | None = None, epochs: int = 3,
-          epochs_driven: bool = True) -> list[tuple[int, int, list, float]]:
+          epochs_driven: bool = True, tails: list[int] | None = None
+          ) -> list[tuple[int, int, list, float]]:
     """Steps of an epoch loop as (step, epoch, batch, a training RNG draw); ``rollback``
-    (at, to): after step ``at`` the state captured after step ``to`` is restored."""
+    (at, to): after step ``at`` the state captured after step ``to`` is restored.
+    ``tails``: the step after which each epoch's code after its loop ran (an evaluation)."""
     torch.manual_seed(0)
     loader = make(kind)
     position = LoaderPosition(loader, lambda: None,
@@ -60,7 +62,10 @@ def train(kind: str, rollback: tuple[int, int] | None = None, epochs: int = 3,
         if kind.startswith("distributed-"):
             loader.sampler.set_epoch(epoch)
         for batch in loader:
-            seen.append((step, current, batch.tolist(), torch.rand(()).item()))
+            # the epoch as session.epoch says it: a rank rolled back into a pass of an
+            # earlier epoch goes on in it inside the loop it is in, whose own variable
+            # still names the later epoch
+            seen.append((step, epoch, batch.tolist(), torch.rand(()).item()))
             step += 1
             captured[step] = (copy.deepcopy(position.state_dict()), torch.get_rng_state(), epoch)
             if rollback is not None and step == rollback[0] and not rolled:
@@ -70,7 +75,13 @@ def train(kind: str, rollback: tuple[int, int] | None = None, epochs: int = 3,
                 torch.set_rng_state(rng)
                 step = rollback[1]
                 seen = [s for s in seen if s[0] < step]
-        if epoch == current:     # what session.epochs does: advance unless a restore moved it
+                if tails is not None:
+                    tails[:] = [t for t in tails if t < step]
+        if tails is not None:
+            tails.append(step)
+        if position.tail_of is not None:   # what session.epochs does (Session._restored_tail)
+            epoch, position.tail_of = position.tail_of + 1, None
+        elif epoch == current:   # advance unless a restore moved it
             epoch += 1
     return seen
 
@@ -86,6 +97,24 @@ def test_rollbacks_replay_the_same_batches_noise_and_rng(kind: str) -> None:
     assert len(reference) == 3 * per_epoch
     assert train(kind, within) == reference
     assert train(kind, across) == reference
+
+
+@pytest.mark.parametrize("kind", ["random-workers", "random-persistent"])
+def test_a_rollback_to_the_end_of_the_last_epoch_runs_its_tail_once(kind: str) -> None:
+    """A rank healed at the last step of the previous epoch (it died in the first step
+    of the next, after the evaluation between them): its loop ends and the code after it
+    stands for the restored epoch's tail, run once, then the next epoch starts. Before,
+    the epoch was re-entered and its tail ran again (a survivor issued the evaluation's
+    all-reduce twice, a replacement once: mismatched collectives)."""
+    reference_tails: list[int] = []
+    reference = train(kind, tails=reference_tails)
+    assert reference_tails == [10, 20, 30]
+    tails: list[int] = []
+    assert train(kind, (11, 10), tails=tails) == reference
+    assert tails == reference_tails
+    tails = []                 # mid-pass of an earlier epoch: that epoch is re-entered
+    assert train(kind, (12, 8), tails=tails) == reference
+    assert tails == reference_tails
 
 
 def test_a_rollback_into_an_earlier_pass_needs_session_epochs() -> None:
