@@ -230,9 +230,9 @@ class LoaderPosition:
         (the sampler alone drawn). A replacement has no iterator yet: it is made from the
         first pass's RNG state (so the workers seed every sample as the fault-free run
         did) and, for a later pass, reset from this pass's RNG state, as the fault-free
-        run's later passes were. Without this a restored pass
-        drew its shuffle after a base seed and a second sampler draw, not first: another
-        order (found with a GAN script's ``shuffle=True, persistent_workers=True``)."""
+        run's later passes were. Without this a restored pass drew its shuffle after a
+        base seed and a second sampler draw, not first: another order (found with a GAN
+        script's ``shuffle=True, persistent_workers=True``)."""
         base_iter = self._base.__iter__
         if loader._iterator is not None or self.first_rng is None:
             return base_iter(loader)
