@@ -141,10 +141,18 @@ class LoaderPosition:
             return False
         if int(pending["yielded"]) < size:
             return False
-        self.pending, self._replay_next = None, None
-        self.passes, self.yielded = int(pending["pass"]), int(pending["yielded"])
-        self.first = int(pending.get("first", self.passes))
+        self._take_pending()
         return True
+
+    def _take_pending(self) -> dict[str, Any]:
+        """Make the pending restore's position this loader's (its pass, batches yielded,
+        the epoch's first pass, the epoch the pass belongs to) and return it."""
+        state, self.pending, self._replay_next = self.pending, None, None
+        assert state is not None
+        self.passes, self.yielded = int(state["pass"]), int(state["yielded"])
+        self.first = int(state.get("first", self.passes))
+        self._pass_epoch = self.epoch()
+        return state
 
     # -- iterator side ---------------------------------------------------------------
     def begin_pass(self) -> Iterator[Any]:
@@ -168,11 +176,7 @@ class LoaderPosition:
         """The pending restore's pass at its restored batch (a live iterator rebuilds
         itself with it), else the next pass."""
         if self.pending is not None:
-            state, self.pending, self._replay_next = self.pending, None, None
-            self.passes, self.yielded = int(state["pass"]), int(state["yielded"])
-            self.first = int(state.get("first", self.passes))
-            self._pass_epoch = self.epoch()
-            return self._build(state)
+            return self._build(self._take_pending())
         self.passes += 1
         self.yielded = 0
         epoch = self.epoch()
@@ -217,9 +221,7 @@ class LoaderPosition:
             return it
         finally:
             self.skip = 0
-            torch.set_rng_state(now)
-            if generator is not None and now_generator is not None:
-                generator.set_state(now_generator)
+            _set_rng(now, generator, now_generator)
 
     skip = 0   # batches the sampler skips while a replayed pass's iterator is built
 

@@ -504,8 +504,8 @@ class Session(Rejoining):
             self._in_epochs = False
 
     def _restored_tail(self) -> int | None:
-        """The restored epoch whose tail the epoch body just ran, if a registered loader's
-        pass ended at the restored end of an earlier pass (``finish_restored_pass``)."""
+        """The restored epoch whose tail the epoch body just ran, if a restore moved a
+        registered loader's live loop into a pass of that earlier epoch (``tail_of``)."""
         tail = None
         for obj in self._objects.values():
             if isinstance(obj, LoaderPosition) and obj.tail_of is not None:
