@@ -140,8 +140,11 @@ class Monitor:
         ``recovery.on_worker_exception`` is fail, it raised at this step before (a bug
         that replays, not a fault), or it raised before it ever joined the job (its
         script's set-up failed: an import, its arguments, a port; a replacement would fail
-        the same way): then the job fails with the worker's own traceback."""
-        record = members.get(slot.worker_id)
+        the same way): then the job fails with the worker's own traceback. A rank that
+        raised leaves etcd as its session closes, often before its call's error reaches
+        this poll: its last record seen tells that it joined (the ``mixed`` drill's
+        injected exception once failed a CI run as "never joined" that way)."""
+        record = members.get(slot.worker_id) or self._seen.get(slot.worker_id)
         key = (slot.rank, record.step if record is not None else -1)
         if self._on_exception == "fail" or key in self._raised_at or record is None \
                 or error.message.startswith(NOT_RECOVERABLE):

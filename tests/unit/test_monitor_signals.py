@@ -5,11 +5,15 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
+
 from phalanx.launcher.coordination.coordinator import RankSlot
 from phalanx.launcher.job import _stale
 from phalanx.launcher.coordination.monitor import AWAY_PROBE_S, FINISH_GRACE_S, Monitor
 from phalanx.launcher.coordination.node_watch import NodeWatch
-from phalanx.recovery.detection import CollectiveError, KeeperLeaseExpired, LeaseLost, NodeLost
+from phalanx.configs.errors import WorkerFailed
+from phalanx.recovery.detection import (CollectiveError, KeeperLeaseExpired, LeaseLost, NodeLost,
+                                       WorkerRaised)
 from phalanx.runtime.base import MemberRecord
 
 GRACE_S = 0.05
@@ -159,3 +163,19 @@ def test_ranks_whose_keeper_lapsed_on_a_node_that_answers_are_excused() -> None:
     finally:
         listening.close()
         watch.close()
+
+
+def test_a_rank_that_raised_after_its_record_left_is_a_fault_not_a_failed_job() -> None:
+    """A rank whose script raised closes its session (its record leaves etcd) before its
+    call's error reaches the launcher: it had joined, so it is replaced; a rank that raised
+    without ever having a record fails the job (its set-up fails again in a replacement)."""
+    monitor = Monitor(2, node_check_s=1e9)
+    poll(monitor, {"w0": worker(0, 1), "w1": worker(1, 1)})          # both joined
+    slot = RankSlot(1, "w1", 0, None)
+    error = WorkerFailed(1, "InjectedFault: drill", "Traceback ...\nInjectedFault: drill")
+    raised = monitor._raised(error, slot, {"w0": worker(0, 1)}, time.monotonic())
+    assert isinstance(raised, WorkerRaised) and raised.rank == 1
+    with pytest.raises(WorkerFailed):          # the same step raising again is a bug
+        monitor._raised(error, slot, {"w0": worker(0, 1)}, time.monotonic())
+    with pytest.raises(WorkerFailed):          # never joined
+        Monitor(2, node_check_s=1e9)._raised(error, slot, {}, time.monotonic())
