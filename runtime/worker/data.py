@@ -92,6 +92,7 @@ class LoaderPosition:
         # ``Session.epochs`` reads and clears it)
         self.tail_of: int | None = None
         self.restores = 0               # how many restores were loaded (iterators compare)
+        self._switch_at: int | None = None    # see defer_switch
         if not self.stateful:
             _wrap_index_sampler(loader, self)
         if loader.num_workers > 0 and not isinstance(loader.dataset, IterableDataset):
@@ -123,6 +124,7 @@ class LoaderPosition:
             self.first_rng, self.first_generator = state["first_rng"], state.get("first_generator")
         self.pending = dict(state)
         self.restores += 1
+        self._switch_at = None
         # a snapshot written before "first" existed: its pass is the epoch's first
         self._replay_next = int(self.pending.get("first", self.pending["pass"]))
 
@@ -144,6 +146,33 @@ class LoaderPosition:
         self._take_pending()
         return True
 
+    def defer_switch(self, current: int) -> bool:
+        """A restore into an earlier epoch's pass, noticed in pass ``current`` of a later
+        epoch that the epoch body makes before the one at the restored pass's place (the
+        DDP tutorial's peek, ``next(iter(loader))``, when a peer died in the evaluation
+        between the epochs and this survivor's collectives there all passed): that pass
+        goes on, and the ``iter(loader)`` at the restored pass's place in this epoch (the
+        loop's) switches to the restored pass instead, as a loop that notices it does.
+        True when deferred so. (Ended at once instead, the peek raised StopIteration.)"""
+        pending = self.pending
+        assert pending is not None
+        restored_pass = int(pending["pass"])
+        place = restored_pass - int(pending.get("first", restored_pass))
+        if self.stateful or current - self.first >= place:
+            return False
+        self._switch_at, self._replay_next = self.first + place, None
+        log.info("event=loader_switch_deferred pass=%d restored_pass=%d at_pass=%d",
+                 current, restored_pass, self._switch_at)
+        return True
+
+    def switch_to_restored(self) -> bool:
+        """Make the pending restore's pass (of an earlier epoch) the live loop's: what the
+        script runs after the loop is that epoch's tail. True when nothing of that pass is
+        left (the loop ends at once)."""
+        self._switch_at = None
+        self.tail_of = self.epoch()
+        return self.finish_restored_pass()
+
     def _take_pending(self) -> dict[str, Any]:
         """Make the pending restore's position this loader's (its pass, batches yielded,
         the epoch's first pass, the epoch the pass belongs to) and return it."""
@@ -164,6 +193,13 @@ class LoaderPosition:
         Those passes start anew, with the process's RNG left as it was, and the pending
         restore waits for the pass it was captured in."""
         pending = self.pending
+        if pending is not None and self._switch_at is not None \
+                and self.passes + 1 >= self._switch_at:
+            log.info("event=loader_pass_switched pass=%d restored_pass=%d epoch=%s",
+                     self.passes + 1, int(pending["pass"]), self.epoch())
+            if self.switch_to_restored():
+                return iter(())
+            return self.resume_pass()
         if pending is not None and self._replay_next is not None \
                 and self._replay_next < int(pending["pass"]):
             self.passes, self._replay_next = self._replay_next, self._replay_next + 1
@@ -288,10 +324,13 @@ class _ResumingIterator:
                 # training collective and gloo aborted; and a scheduler stepped twice.)
                 if position.epoch() is None:
                     raise LoaderPositionLost(self._pass, restored_pass)
-                position.tail_of = position.epoch()
+                if position.defer_switch(self._pass):
+                    batch = next(self._inner)            # this pass goes on
+                    position.yielded += 1
+                    return batch
                 log.info("event=loader_pass_switched pass=%d restored_pass=%d epoch=%s",
-                         self._pass, restored_pass, position.tail_of)
-                if position.finish_restored_pass():      # nothing of it left
+                         self._pass, restored_pass, position.epoch())
+                if position.switch_to_restored():      # nothing of it left
                     raise StopIteration
             self._inner = position.resume_pass()
             self._pass = position.passes

@@ -202,3 +202,67 @@ def test_a_replacement_whose_epochs_peek_a_batch_resumes_at_the_restored_batch(
     assert len(reference) == 3 * per_epoch
     assert train_with_peek(kind, (per_epoch + 3, per_epoch + 2)) == reference
     assert train_with_peek(kind, (2 * per_epoch + 1, per_epoch - 2)) == reference
+
+
+def train_noticing_in_the_peek(kind: str, notice: tuple[int, int] | None = None,
+                               epochs: int = 3) -> tuple[list, list[int]]:
+    """A survivor of the DDP tutorial's loop (a peek, the loop, a tail per epoch).
+    ``notice`` (epoch, to): in that epoch's peek the Session notices a recovery (its check
+    before a batch) that restores the state captured after step ``to``, the last step of
+    the epoch before, as when a peer died in the evaluation between them after this
+    rank's collectives there had passed. Returns the steps and the steps after which a
+    tail ran (a tail restored past is dropped, as its collectives were no-ops)."""
+    torch.manual_seed(0)
+    loader = make(kind)
+    box = {"epoch": 0, "armed": False, "noticed": False, "step": 0}
+    captured: dict[int, Any] = {}
+    seen: list[tuple[int, int, list, float]] = []
+    tails: list[int] = []
+
+    def on_next() -> None:
+        if box["armed"]:
+            assert notice is not None
+            box["armed"] = False
+            state, rng, box["epoch"] = captured[notice[1]]
+            position.load_state_dict(copy.deepcopy(state))
+            torch.set_rng_state(rng)
+            box["step"] = notice[1]
+            seen[:] = [s for s in seen if s[0] < notice[1]]
+            tails[:] = [t for t in tails if t < notice[1]]
+
+    position = LoaderPosition(loader, on_next, lambda: box["epoch"])
+    while box["epoch"] < epochs:
+        epoch = box["epoch"]
+        if kind.startswith("distributed-"):
+            loader.sampler.set_epoch(epoch)
+        if notice is not None and epoch == notice[0] and not box["noticed"]:
+            box["armed"] = box["noticed"] = True
+        size = len(next(iter(loader)))
+        for batch in loader:
+            seen.append((box["step"], box["epoch"], size, batch.tolist(), torch.rand(()).item()))
+            box["step"] += 1
+            captured[box["step"]] = (copy.deepcopy(position.state_dict()),
+                                     torch.get_rng_state(), box["epoch"])
+        tails.append(box["step"])
+        if position.tail_of is not None:     # Session.epochs
+            box["epoch"], position.tail_of = position.tail_of + 1, None
+        elif box["epoch"] == epoch:
+            box["epoch"] += 1
+    return seen, tails
+
+
+@pytest.mark.parametrize("kind", ["distributed-workers", "random-persistent"])
+def test_a_restore_noticed_in_the_next_epochs_peek_reruns_the_restored_epochs_tail(
+        kind: str) -> None:
+    """The peek goes on (before, it raised StopIteration: the script crashed); the loop
+    after it switches to the restored epoch's finished pass and ends at once, so the code
+    after the loop runs once more as the restored epoch's tail, as on the replacement;
+    then the epoch that was interrupted runs from its top with the fault-free batches."""
+    reference, reference_tails = train_noticing_in_the_peek(kind)
+    per_epoch = 5 if kind.startswith("distributed-") else 10
+    assert reference_tails == [per_epoch, 2 * per_epoch, 3 * per_epoch]
+    seen, tails = train_noticing_in_the_peek(kind, (2, 2 * per_epoch))
+    assert seen == reference and tails == reference_tails
+    # a restore to the middle of the epoch before: the loop finishes that epoch's pass
+    seen, tails = train_noticing_in_the_peek(kind, (2, 2 * per_epoch - 2))
+    assert seen == reference and tails == reference_tails
