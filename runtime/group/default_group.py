@@ -147,6 +147,11 @@ class DefaultGroup(dist.ProcessGroup):
         behaves as torchrun's: DDP keeps its own bucket rebuild, failures raise)."""
         return self._collective.absorb_faults
 
+    @property
+    def generation(self) -> int:
+        """The generation whose group this rank is in (it moves at every recovery)."""
+        return self._collective.generation
+
     def started(self) -> None:
         """The Session joined the job: set-up is over, collectives are real from now on."""
         self._skip_setup = False
@@ -343,6 +348,15 @@ def _patch_ddp() -> None:
         if not getattr(self, "_phalanx_capped", False):
             _capped_buckets(self)
             self._phalanx_capped = True
+        if getattr(self, "_phalanx_generation", group.generation) != group.generation:
+            # the first forward since a recovery restored the state at a step boundary:
+            # DDP's flag is as after a step (a replacement's new module has it too), so
+            # the next forward broadcasts the buffers on every rank alike. A survivor
+            # whose last forward was an evaluation's (no_grad: DDP cleared the flag)
+            # skipped that broadcast while the replacement made it, and gloo matched the
+            # replacement's broadcast with the survivor's evaluation all-reduce.
+            self.require_forward_param_sync = True
+        self._phalanx_generation = group.generation
         reducer = self.reducer
         self.reducer = _InitialBuckets(reducer)
         try:

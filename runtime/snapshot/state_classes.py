@@ -9,13 +9,16 @@
   ``ZeroRedundancyOptimizer``'s partition (``runtime.snapshot.zero``): no live copy exists
   elsewhere, so it is snapshotted with the per-rank state.
 - **per_rank**: everything else: RNGs, data position, extras, schedulers, module buffers
-  (BatchNorm statistics differ per rank without SyncBatchNorm), plain modules.
+  (BatchNorm statistics differ per rank without SyncBatchNorm), plain modules, and a
+  replicated optimizer's hyperparameters (``GroupsOf``: a scheduler sets them between
+  steps, so they go back with the scheduler on every rank at a recovery).
 
 ``classify`` infers the classes and builds two *views* of the registered objects: the
 replicated one (what a survivor sends a replacement) and the per-rank one (what every rank
 snapshots every step). A module split between the two is represented by ``ParamsOf`` /
-``BuffersOf``, which have ``state_dict``/``load_state_dict`` like the module itself, so
-both views are captured and applied with the ordinary snapshot code.
+``BuffersOf``, an optimizer by ``OptimizerStateOf`` / ``GroupsOf``, which have
+``state_dict``/``load_state_dict`` like the object itself, so both views are captured and
+applied with the ordinary snapshot code.
 """
 from __future__ import annotations
 
@@ -80,6 +83,61 @@ class BuffersOf(_ModulePart):
     """A module's buffers and extra state: per-rank (BatchNorm statistics)."""
 
     params = False
+
+
+class OptimizerStateOf:
+    """An optimizer's tensor state (momentum buffers, Adam's moments and step counts) and
+    its groups' parameter indices: its replicated part under data parallelism. Loading
+    keeps the live hyperparameters (``GroupsOf`` restores those)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.optimizer.state_dict()
+        return {"state": state["state"],
+                "param_groups": [{"params": g["params"]} for g in state["param_groups"]]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        live = self.optimizer.state_dict()["param_groups"]
+        given = list(state["param_groups"])
+        if len(given) != len(live):
+            raise ValueError(f"OptimizerStateOf: state holds {len(given)} parameter groups, "
+                             f"the optimizer {len(live)}")
+        self.optimizer.load_state_dict({
+            "state": state["state"],
+            "param_groups": [{**g, "params": s["params"]} for g, s in zip(live, given)]})
+
+
+class GroupsOf:
+    """An optimizer's hyperparameters, group by group (``lr``, ``momentum``, ``betas``, a
+    scheduler's ``initial_lr``; not the parameters): per-rank, restored with the scheduler
+    that sets them. A scheduler steps between steps (at an epoch's end): a rank that re-runs
+    that code after a recovery must find the learning rate the restored scheduler belongs
+    to, also where it keeps its live replicated state (a survivor healing in place), or it
+    steps the rate twice."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"param_groups": [{k: v for k, v in group.items() if k != "params"}
+                                 for group in self.optimizer.param_groups]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        given, live = list(state["param_groups"]), self.optimizer.param_groups
+        if len(given) != len(live):
+            raise ValueError(f"GroupsOf: state holds {len(given)} parameter groups, the "
+                             f"optimizer {len(live)}")
+        for group, saved in zip(live, given):
+            for key, value in saved.items():
+                old = group.get(key)
+                if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) \
+                        and old.shape == value.shape and old.dtype == value.dtype:
+                    with torch.no_grad():
+                        old.copy_(value)       # a tensor learning rate keeps its identity
+                else:
+                    group[key] = value
 
 
 @dataclass
@@ -181,7 +239,12 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
             elif params and all(id(p) in replicated_params for p in params):
                 kind = "replicated"
         kind = declared.get(name, kind)
-        if kind == "replicated" and data_parallel:
+        if kind == "replicated" and data_parallel \
+                and isinstance(obj, torch.optim.Optimizer):
+            out.replicated[name] = OptimizerStateOf(obj)
+            out.per_rank[name] = GroupsOf(obj)
+            kind = "split"
+        elif kind == "replicated" and data_parallel:
             out.replicated[name] = obj
         else:
             out.per_rank[name] = obj

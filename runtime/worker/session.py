@@ -500,6 +500,13 @@ class Session(Rejoining):
                     self._progress.epoch = tail + 1
                 elif self._progress.epoch == epoch:   # else a restore moved it: re-enter
                     self._progress.epoch = epoch + 1
+                # A collective of the epoch's tail (its evaluation all-reduce) that failed
+                # recovers here, before the next epoch's body: the restored step precedes
+                # that tail, so this rank re-enters the restored epoch from its top, as the
+                # replacement does, and both run its tail again together. (Noticed later,
+                # in the next epoch's peek at a batch, the restore had nowhere to go: the
+                # peek raised StopIteration.)
+                self._recover_if_faulted()
         finally:
             self._in_epochs = False
 

@@ -60,7 +60,8 @@ def _heal_rank(rank: Rank, live: list[int], per_rank_steps: list[list[int]]) -> 
     addresses = _tensor_addresses(model, opt)
     classes = classify({"model": model, "optimizer": opt}, {"model": "replicated"})
     assert set(classes.replicated) == {"model", "optimizer"}
-    assert set(classes.per_rank) == {"model"}          # the BatchNorm statistics
+    # the BatchNorm statistics, the optimizer's hyperparameters
+    assert set(classes.per_rank) == {"model", "optimizer"}
     collective = Collective(rank.connect, rank=rank.rank, world_size=rank.world_size,
                             timeout_s=20.0)
     collective.form(0)

@@ -189,3 +189,43 @@ def test_zero_and_persistent_workers_survive_kill_node_with_torchruns_parameters
     assert "optimizer=sharded" in logs                      # never sent from a survivor
     finals = HASH.findall(logs)
     assert len(finals) == 2 and set(finals) == expected, finals
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_killed_in_the_evaluation_between_epochs_ends_with_torchruns_parameters(
+        tmp_path: Path) -> None:
+    """Rank 1 dies (SIGKILL) inside the evaluation after the second epoch, while the
+    survivor's evaluation all-reduce waits on it: the survivor's collective fails between
+    two epochs, outside any step, and it notices the recovery only after its epoch body
+    ended. It re-enters the restored epoch as the replacement does, so both run that
+    epoch's tail (its scheduler step, its evaluation all-reduce) once more, together.
+    Before, the survivor went on into the next epoch, noticed the restore in the
+    tutorial's peek (``next(iter(loader))``) and the peek raised StopIteration: a worker
+    exception, a second recovery and 21 s lost where the unseen CNN script met it."""
+    from tests.integration.launching import launch, latest_run
+
+    argv = ["--epochs", "3", "--samples", "512", "--batchnorm", "--sleep", "0.02"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(port), str(PORTED), *argv, "--out", str(tmp_path / "torchrun")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    expected = set(final_hashes(tmp_path / "torchrun", 2))
+    assert len(expected) == 1
+    marker = tmp_path / "died"
+    job = [*argv, "--die-in-eval", "1", "--marker", str(marker)]
+    result = launch("configs/ddp.yaml", "job.entrypoint=tests/integration/jobs/die_in_eval.py",
+                    "job.world_size=2", f"job.argv={json.dumps(job)}",
+                    run_root=tmp_path / "runs", timeout_s=400)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert marker.exists()                                   # rank 1 did die in it
+    run = latest_run(tmp_path / "runs")
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    faults = [e["kind"] for e in events if e["event"] == "fault"]
+    assert faults == ["worker_died"], faults                 # one fault, one recovery
+    logs = "".join(log.read_text() for log in (run / "logs").glob("rank_*.log"))
+    finals = HASH.findall(logs)
+    assert len(finals) == 2 and set(finals) == expected, finals

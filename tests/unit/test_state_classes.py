@@ -3,12 +3,15 @@ otherwise; the two views capture and apply with the ordinary snapshot code; and 
 step rule (``phalanx.runtime.worker.heal``), pure."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from phalanx.runtime.snapshot.state_classes import BuffersOf, ParamsOf, classify
+from phalanx.runtime.snapshot.state_classes import (BuffersOf, GroupsOf, OptimizerStateOf,
+                                                    ParamsOf, classify)
 from phalanx.runtime.snapshot.state_tree import RNGState, apply_state, flatten_state
 from phalanx.runtime.worker.heal import candidates, choose_step
 
@@ -35,11 +38,13 @@ def test_a_ddp_model_and_its_optimizer_are_replicated_and_buffers_per_rank(
     objects = {"model": ddp if register_wrapper else inner, "optimizer": opt,
                "scheduler": sched, "__rng__": RNGState()}
     classes = classify(objects)
-    assert classes.kinds == {"model": "split", "optimizer": "replicated",
+    assert classes.kinds == {"model": "split", "optimizer": "split",
                              "scheduler": "per_rank", "__rng__": "per_rank"}
     assert isinstance(classes.replicated["model"], ParamsOf)
     assert isinstance(classes.per_rank["model"], BuffersOf)
-    assert set(classes.per_rank) == {"model", "scheduler", "__rng__"}
+    assert isinstance(classes.replicated["optimizer"], OptimizerStateOf)
+    assert isinstance(classes.per_rank["optimizer"], GroupsOf)
+    assert set(classes.per_rank) == {"model", "optimizer", "scheduler", "__rng__"}
 
 
 def test_without_ddp_or_declaration_nothing_is_replicated() -> None:
@@ -48,7 +53,7 @@ def test_without_ddp_or_declaration_nothing_is_replicated() -> None:
     classes = classify({"model": model, "optimizer": opt})
     assert not classes.split and set(classes.per_rank) == {"model", "optimizer"}
     declared = classify({"model": model, "optimizer": opt}, {"model": "replicated"})
-    assert declared.kinds == {"model": "split", "optimizer": "replicated"}
+    assert declared.kinds == {"model": "split", "optimizer": "split"}
     one_rank = classify({"model": model}, {"model": "replicated"}, data_parallel=False)
     assert not one_rank.split
 
@@ -75,6 +80,38 @@ def test_the_views_round_trip_through_the_snapshot_code_without_touching_the_oth
     tensors, spec = flatten_state({"model": ParamsOf(source)})
     apply_state({"model": ParamsOf(target)}, {n: t.clone() for n, t in tensors.items()}, spec)
     assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
+
+
+def test_an_optimizer_s_moments_heal_while_its_scheduled_rate_goes_back_with_the_scheduler(
+) -> None:
+    """The replicated view of an optimizer carries its tensor state, never its
+    hyperparameters; the per-rank view carries those (a scheduler stepped at an epoch's
+    end changed them after the snapshot). A survivor healing in place restores the
+    per-rank view only: its learning rate goes back with its scheduler, its moments stay.
+    Before, the rate stayed stepped and the re-run epoch's end stepped it again."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    model(torch.randn(4, 4)).sum().backward()
+    opt.step()
+    groups, groups_spec = flatten_state({"optimizer": GroupsOf(opt)})
+    scheduled, spec = flatten_state({"scheduler": sched})
+    moments, moments_spec = flatten_state({"optimizer": OptimizerStateOf(opt)})
+    assert '"lr"' not in json.dumps(moments_spec) and '"lr"' in json.dumps(groups_spec)
+    sched.step()                                 # the epoch's end, after the snapshot
+    assert opt.param_groups[0]["lr"] == 0.05
+    exp_avg = opt.state[next(iter(model.parameters()))]["exp_avg"].clone()
+    apply_state({"optimizer": GroupsOf(opt)}, groups, groups_spec)
+    apply_state({"scheduler": sched}, scheduled, spec)
+    assert opt.param_groups[0]["lr"] == 0.1 and tuple(opt.param_groups[0]["betas"]) == (0.8, 0.9)
+    assert torch.equal(opt.state[next(iter(model.parameters()))]["exp_avg"], exp_avg)
+    sched.step()                                 # the re-run epoch's end: once, as before
+    assert opt.param_groups[0]["lr"] == 0.05
+    other = torch.optim.Adam(_model().parameters(), lr=0.3)      # a replacement's
+    apply_state({"optimizer": OptimizerStateOf(other)}, moments, moments_spec)
+    assert other.param_groups[0]["lr"] == 0.3                    # its own rate kept
+    assert torch.equal(other.state[other.param_groups[0]["params"][0]]["exp_avg"],
+                       exp_avg)
 
 
 def test_the_step_rule() -> None:
