@@ -38,12 +38,13 @@ import itertools
 import logging
 import random
 import sys
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from phalanx.configs.errors import PhalanxError
+from phalanx.configs.errors import PhalanxError, StateNotCapturable
 
 log = logging.getLogger(__name__)
 _CLASSES: dict[type, type] = {}
@@ -67,7 +68,13 @@ class LoaderPosition:
 
     def __init__(self, loader: DataLoader, on_next: Callable[[], None],
                  epoch: Callable[[], int | None]) -> None:
-        self.loader = loader
+        # held weakly: the loader holds this position (its iterators, its sampler), the
+        # Session holds it too, and a Session is in reference cycles; a strong reference
+        # put the loader in the cyclic garbage with it, where multiprocessing's finalizers
+        # close the worker queues before the loader's iterator shuts its workers down: a
+        # loader with persistent workers then stalled the garbage collection 5 s per
+        # worker (at the script's end, or wherever the collection ran)
+        self._loader = weakref.ref(loader)
         self._base: Any = type(loader)     # the loader's own class (before the swap)
         self.stateful = callable(getattr(loader, "state_dict", None))
         self.on_next = on_next          # the Session's check for a fault outside a step
@@ -99,6 +106,15 @@ class LoaderPosition:
             # DataLoader refuses to re-set its dataset after construction
             object.__setattr__(loader, "dataset", SeededSamples(loader.dataset))
         _make_resumable(loader, self)
+
+    @property
+    def loader(self) -> DataLoader:
+        loader = self._loader()
+        if loader is None:
+            raise StateNotCapturable(
+                "the registered DataLoader no longer exists (the script dropped every "
+                "reference to it): register the loader the loop iterates, and keep it")
+        return loader
 
     # -- snapshot side ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
