@@ -103,9 +103,15 @@ def test_a_job_is_deterministic_learns_commits_and_leaves_nothing_behind(
     assert not (run_dir / "etcd").exists(), "embedded etcd data dir must be removed"
     assert {p.name for p in (run_dir / "logs").iterdir()} >= {f"rank_{r}_w{r}-g0.log"
                                                              for r in range(2)}
-    events = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").open()]
+    records = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
+    events = [record["event"] for record in records]
     assert events[0] == "started" and events[-1] == "finished" and "fault" not in events
-    assert not (run_dir / "ray-logs").exists(), "Ray's logs are kept only when a job fails"
+    # Ray's logs are kept only when a job fails, or of a Ray start attempt that failed
+    # (a GCS that aborts as it starts, seen about once in 30 starts here: started again)
+    kept = {p.name for p in (run_dir / "ray-logs").iterdir()} \
+        if (run_dir / "ray-logs").exists() else set()
+    failures = records[0].get("ray_start_failures") or []
+    assert kept == {f"attempt-{n}" for n in range(1, len(failures) + 1)}, (kept, failures)
     logs = "".join(path.read_text() for path in (run_dir / "logs").iterdir())
     committed = {int(rank): int(step) for rank, step in
                  re.findall(r"rank (\d+) snapshots .* committed step (-?\d+)", logs)}
