@@ -580,7 +580,7 @@ class JobRunner:
                     stall.reset()
                 coordinator.retry(slots)
                 coordinator.check_resumed(members)
-                coordinator.check_rejoined(members, set(results))
+                coordinator.check_rejoined(members, set(results), monitor.last_seen)
                 self._publish_state(run, slots, coordinator)
                 commits.poll(table=outage.last if outage.trusted() else None)
                 if injector is not None:

@@ -38,8 +38,9 @@ from phalanx.runtime.membership.generation import (GENERATION_KEY, GenerationPla
                                                    plan_key)
 from phalanx.runtime.keeper.reporter import report_from_keeper
 from phalanx.runtime.replication.placement import Placement, PlacementInput, place_replicas
-from phalanx.runtime.worker.restore_progress import (read_reports, restore_bound_s,
-                                                     restore_key, stale_after_s)
+from phalanx.runtime.worker.restore_progress import (RESTORED, read_reports,
+                                                     restore_bound_s, restore_key,
+                                                     stale_after_s)
 from phalanx.spares.pool import SparePool
 
 log = logging.getLogger(__name__)
@@ -280,15 +281,24 @@ class RecoveryCoordinator:
                                 {r: s.worker_id for r, s in slots.items()})
 
     def check_rejoined(self, members: Mapping[str, MemberRecord],
-                       finished: set[int]) -> None:
+                       finished: set[int],
+                       last_seen: Mapping[str, MemberRecord] | None = None) -> None:
         """Called every poll: past the pending recovery's bound, a generation some rank
         never joined fails the job (``GroupNotReformed``, event ``recovery_stalled``) rather
         than leaving its ranks waiting minutes for a plan that will not come. A rank of the
-        plan that has returned from its entrypoint fails it at once."""
+        plan that has returned from its entrypoint fails it at once, unless every rank of
+        the plan returned after joining the generation (``last_seen``: each worker's last
+        member record): the fault struck after the last step (an evaluation after the
+        last epoch, which the ranks then ran again together) and the recovery is complete
+        without a step."""
         pending = self.pending
         if pending is None:
             return
         gone = finished & set(pending.workers)
+        if gone == set(pending.workers) and self._all_joined(pending, members, last_seen):
+            self._complete(pending, time.time(), pending.restore_step + pending.lost_steps,
+                           healed=True)
+            return
         if not gone and self.clock() < pending.rejoin_by:
             return
         behind = laggards(pending.generation, pending.workers, members, gone)
@@ -304,6 +314,25 @@ class RecoveryCoordinator:
                          ranks={str(lag.rank): lag.why for lag in behind})
         self.phases.transition(Phase.FAILED, f"generation {pending.generation} not re-formed")
         raise not_reformed(pending.generation, bound, self.cfg.recovery.group_timeout_s, behind)
+
+    def _all_joined(self, pending: Recovery, members: Mapping[str, MemberRecord],
+                    last_seen: Mapping[str, MemberRecord] | None) -> bool:
+        """Whether every rank of the pending generation joined it: its last record seen
+        names the generation, or it reported its restore there (a heal restores after the
+        group formed; a rank that returns at once leaves no record the launcher saw)."""
+        seen = {**(last_seen or {}), **members}
+        try:
+            reports = read_reports(self.membership, pending.generation)
+        except Exception as exc:  # etcd unreachable: the records alone
+            log.warning("event=restore_reports_unreadable error=%r", exc)
+            reports = {}
+        for rank, worker in pending.workers.items():
+            record, report = seen.get(worker), reports.get(rank)
+            if not ((record is not None and record.generation >= pending.generation)
+                    or (report is not None and report.worker == worker
+                        and report.state == RESTORED)):
+                return False
+        return True
 
     def _still_restoring(self, pending: Recovery, behind: Sequence[Laggard]) -> bool:
         """Whether every rank ``behind`` still reports its restore (or has just restored
@@ -613,13 +642,7 @@ class RecoveryCoordinator:
                  and float(m.extra.get("first_step_at") or 0) > 0}
         if len(ranks) < self.cfg.job.world_size:
             return None
-        if self.phases.phase is Phase.RESTORING:
-            self.phases.transition(Phase.RESUMING, "ranks rejoined")
-        self.phases.transition(Phase.STEADY, f"generation {pending.generation} stepping")
         first_step = max(float(m.extra["first_step_at"]) for m in ranks.values())
-        phases = dict(pending.phases)
-        for change in self.phases.history[pending.phase_start + 1:]:
-            phases[change.from_phase.value] = round(change.duration_s, 4)
         # a heal resumed at the step the ranks agreed on (every rank reports it), not at
         # the plan's committed step: the steps lost are counted from there
         restored = [r.extra.get("restored") or {} for r in ranks.values()]
@@ -627,9 +650,21 @@ class RecoveryCoordinator:
                   and h.get("generation") == pending.generation]
         was_healed = bool(healed) and len(healed) == len(ranks)
         resumed = min(healed) if was_healed else pending.restore_step
+        return self._complete(pending, first_step, resumed, was_healed)
+
+    def _complete(self, pending: Recovery, first_step: float, resumed: int,
+                  healed: bool) -> dict[str, Any]:
+        """Record the pending recovery as done: every rank took its first step in the new
+        generation at ``first_step`` (or returned there after joining it)."""
+        if self.phases.phase is Phase.RESTORING:
+            self.phases.transition(Phase.RESUMING, "ranks rejoined")
+        self.phases.transition(Phase.STEADY, f"generation {pending.generation} stepping")
+        phases = dict(pending.phases)
+        for change in self.phases.history[pending.phase_start + 1:]:
+            phases[change.from_phase.value] = round(change.duration_s, 4)
         newest = pending.restore_step + pending.lost_steps
         record = {"generation": pending.generation, "restore_step": resumed,
-                  "first_step_at": first_step, "healed": was_healed,
+                  "first_step_at": first_step, "healed": healed,
                   "fault": pending.root.kind.value, "ranks": list(pending.root.ranks),
                   "fault_to_first_step_s": round(first_step - pending.fault_wall, 3),
                   "lost_steps": max(0, newest - resumed), "phases_s": phases,

@@ -263,6 +263,11 @@ class Monitor:
         """The keeper connection watch, if the launcher holds one."""
         return self._watch
 
+    @property
+    def last_seen(self) -> dict[str, MemberRecord]:
+        """Each current worker's last member record seen (it outlives the record in etcd)."""
+        return dict(self._seen)
+
     def forget(self, worker_id: str) -> None:
         self._seen.pop(worker_id, None)
 

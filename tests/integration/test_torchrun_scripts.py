@@ -192,16 +192,20 @@ def test_zero_and_persistent_workers_survive_kill_node_with_torchruns_parameters
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("epoch", [1, 2])
 def test_a_rank_killed_in_the_evaluation_between_epochs_ends_with_torchruns_parameters(
-        tmp_path: Path) -> None:
-    """Rank 1 dies (SIGKILL) inside the evaluation after the second epoch, while the
+        tmp_path: Path, epoch: int) -> None:
+    """Rank 1 dies (SIGKILL) inside the evaluation after epoch ``epoch`` (0-based), while the
     survivor's evaluation all-reduce waits on it: the survivor's collective fails between
     two epochs, outside any step, and it notices the recovery only after its epoch body
     ended. It re-enters the restored epoch as the replacement does, so both run that
     epoch's tail (its scheduler step, its evaluation all-reduce) once more, together.
     Before, the survivor went on into the next epoch, noticed the restore in the
     tutorial's peek (``next(iter(loader))``) and the peek raised StopIteration: a worker
-    exception, a second recovery and 21 s lost where the unseen CNN script met it."""
+    exception, a second recovery and 21 s lost where the unseen CNN script met it.
+    After the last epoch (``epoch`` 2) no step follows: the ranks run the evaluation again
+    and return, and the launcher takes the recovery as complete (it failed the job with
+    GroupNotReformed, "had returned from its entrypoint")."""
     from tests.integration.launching import launch, latest_run
 
     argv = ["--epochs", "3", "--samples", "512", "--batchnorm", "--sleep", "0.02"]
@@ -216,7 +220,7 @@ def test_a_rank_killed_in_the_evaluation_between_epochs_ends_with_torchruns_para
     expected = set(final_hashes(tmp_path / "torchrun", 2))
     assert len(expected) == 1
     marker = tmp_path / "died"
-    job = [*argv, "--die-in-eval", "1", "--marker", str(marker)]
+    job = [*argv, "--die-in-eval", str(epoch), "--marker", str(marker)]
     result = launch("configs/ddp.yaml", "job.entrypoint=tests/integration/jobs/die_in_eval.py",
                     "job.world_size=2", f"job.argv={json.dumps(job)}",
                     run_root=tmp_path / "runs", timeout_s=400)
@@ -226,6 +230,7 @@ def test_a_rank_killed_in_the_evaluation_between_epochs_ends_with_torchruns_para
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     faults = [e["kind"] for e in events if e["event"] == "fault"]
     assert faults == ["worker_died"], faults                 # one fault, one recovery
+    assert [e["lost_steps"] for e in events if e["event"] == "recovered"] == [0]
     logs = "".join(log.read_text() for log in (run / "logs").glob("rank_*.log"))
     finals = HASH.findall(logs)
     assert len(finals) == 2 and set(finals) == expected, finals

@@ -27,6 +27,7 @@ from phalanx.launcher.job import _after_finish
 from phalanx.recovery.base import FaultKind, FaultReport
 from phalanx.recovery.phases import Phase
 from phalanx.runtime.base import MemberRecord, NodeId, Rank
+from phalanx.runtime.worker.restore_progress import RESTORED, RestoreReport, restore_key
 from tests.fakes.membership_memory import InMemoryMembership, InMemoryStore
 from tests.unit.test_coordinator_fencing import BUDGET_S, fenced
 
@@ -112,6 +113,35 @@ def test_a_rank_of_the_new_generation_that_returned_fails_it_at_once(
     members = {"w1-g1": record("w1-g1", 1, 1)}
     with pytest.raises(GroupNotReformed, match="rank 0 .* had returned from its entrypoint"):
         job.coord.check_rejoined(members, {0})
+
+
+def test_a_generation_every_rank_joined_and_then_returned_completes_the_recovery(
+        tmp_path: Path) -> None:
+    """A fault after the last step (a rank killed in the evaluation after the last epoch):
+    the ranks join the new generation, run that evaluation again together and return
+    without another step. Their records left etcd as they returned; their last records seen
+    say they joined: the recovery is complete, not a generation they failed to re-form.
+    One returned from an older generation still fails the job."""
+    job = fenced(tmp_path, InMemoryMembership(InMemoryStore()))
+    job.kill_rank(1)
+    seen = {"w0-g0": record("w0-g0", 0, 1, step=48), "w1-g1": record("w1-g1", 1, 1, step=48)}
+    job.coord.check_rejoined({}, {0, 1}, seen)
+    assert job.coord.pending is None and events(tmp_path, "recovery_stalled") == []
+    [recovered] = events(tmp_path, "recovered")
+    assert recovered["generation"] == 1 and recovered["lost_steps"] == 0
+    seen["w0-g0"] = record("w0-g0", 0, 0, step=48)
+    # the last record seen is of generation 0, but rank 0 reported its restore (its heal)
+    # in generation 1: it joined, and returned before a record of it was seen
+    membership = InMemoryMembership(InMemoryStore())
+    job = fenced(tmp_path / "reported", membership)
+    job.kill_rank(1)
+    membership.put(restore_key(1, 0), RestoreReport("w0-g0", RESTORED, 1.0, 2.0).encode())
+    job.coord.check_rejoined({}, {0, 1}, seen)
+    assert job.coord.pending is None
+    job = fenced(tmp_path / "older", InMemoryMembership(InMemoryStore()))
+    job.kill_rank(1)
+    with pytest.raises(GroupNotReformed, match="rank 0 .* had returned from its entrypoint"):
+        job.coord.check_rejoined({}, {0, 1}, seen)
 
 
 def fault(kind: FaultKind, *ranks: int, node: str | None = None) -> FaultReport:
