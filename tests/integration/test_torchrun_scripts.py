@@ -48,6 +48,22 @@ def final_hashes(prefix: Path, world: int) -> list[str]:
     return [Path(f"{prefix}.rank{r}").read_text() for r in range(world)]
 
 
+def torchrun_hash(tmp_path: Path, argv: list[str]) -> str:
+    """The final parameter hash of ``examples/ddp_phalanx.py argv`` (its Session
+    standalone) under torchrun, 2 ranks: the same on both (DDP)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(port), str(PORTED), *argv, "--out", str(tmp_path / "torchrun")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    hashes = set(final_hashes(tmp_path / "torchrun", 2))
+    assert len(hashes) == 1, hashes
+    return hashes.pop()
+
+
 @pytest.mark.timeout(420)
 def test_an_unchanged_torchrun_script_ends_as_under_torchrun(tmp_path: Path) -> None:
     root = project(tmp_path)
@@ -158,16 +174,7 @@ def test_zero_and_persistent_workers_survive_kill_node_with_torchruns_parameters
     from tests.integration.test_drills import drill, report_of
 
     argv = ["--epochs", "2", "--sleep", "0.05", "--batchnorm", "--zero", "--persistent-workers"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torchrun = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(port), str(PORTED), *argv, "--out", str(tmp_path / "torchrun")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
-    expected = set(final_hashes(tmp_path / "torchrun", 2))
-    assert len(expected) == 1
+    expected = {torchrun_hash(tmp_path, argv)}
     # the shipped kill_node scenario in the first step of the second epoch (32 steps
     # each): the ranks heal at the first epoch's last step, so the survivor's loop ends
     # and its evaluation all-reduce runs once as the first epoch's tail, with the
@@ -209,16 +216,7 @@ def test_a_rank_killed_in_the_evaluation_between_epochs_ends_with_torchruns_para
     from tests.integration.launching import launch, latest_run
 
     argv = ["--epochs", "3", "--samples", "512", "--batchnorm", "--sleep", "0.02"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torchrun = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(port), str(PORTED), *argv, "--out", str(tmp_path / "torchrun")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
-    expected = set(final_hashes(tmp_path / "torchrun", 2))
-    assert len(expected) == 1
+    expected = {torchrun_hash(tmp_path, argv)}
     marker = tmp_path / "died"
     job = [*argv, "--die-in-eval", str(epoch), "--marker", str(marker)]
     result = launch("configs/ddp.yaml", "job.entrypoint=tests/integration/jobs/die_in_eval.py",
