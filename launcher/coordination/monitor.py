@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 import ray
@@ -264,9 +265,10 @@ class Monitor:
         return self._watch
 
     @property
-    def last_seen(self) -> dict[str, MemberRecord]:
-        """Each current worker's last member record seen (it outlives the record in etcd)."""
-        return dict(self._seen)
+    def last_seen(self) -> Mapping[str, MemberRecord]:
+        """Each current worker's last member record seen (it outlives the record in etcd);
+        a read-only view, not a copy: the launcher passes it on at every poll."""
+        return MappingProxyType(self._seen)
 
     def forget(self, worker_id: str) -> None:
         self._seen.pop(worker_id, None)

@@ -181,10 +181,13 @@ class LoaderPosition:
                  current, restored_pass, self._switch_at)
         return True
 
-    def switch_to_restored(self) -> bool:
-        """Make the pending restore's pass (of an earlier epoch) the live loop's: what the
-        script runs after the loop is that epoch's tail. True when nothing of that pass is
-        left (the loop ends at once)."""
+    def switch_to_restored(self, current: int) -> bool:
+        """Make the pending restore's pass (of an earlier epoch) the live loop's instead of
+        pass ``current``: what the script runs after the loop is that epoch's tail. True
+        when nothing of that pass is left (the loop ends at once)."""
+        assert self.pending is not None
+        log.info("event=loader_pass_switched pass=%d restored_pass=%d epoch=%s",
+                 current, int(self.pending["pass"]), self.epoch())
         self._switch_at = None
         self.tail_of = self.epoch()
         return self.finish_restored_pass()
@@ -211,9 +214,7 @@ class LoaderPosition:
         pending = self.pending
         if pending is not None and self._switch_at is not None \
                 and self.passes + 1 >= self._switch_at:
-            log.info("event=loader_pass_switched pass=%d restored_pass=%d epoch=%s",
-                     self.passes + 1, int(pending["pass"]), self.epoch())
-            if self.switch_to_restored():
+            if self.switch_to_restored(self.passes + 1):
                 return iter(())
             return self.resume_pass()
         if pending is not None and self._replay_next is not None \
@@ -344,9 +345,7 @@ class _ResumingIterator:
                     batch = next(self._inner)            # this pass goes on
                     position.yielded += 1
                     return batch
-                log.info("event=loader_pass_switched pass=%d restored_pass=%d epoch=%s",
-                         self._pass, restored_pass, position.epoch())
-                if position.switch_to_restored():      # nothing of it left
+                if position.switch_to_restored(self._pass):      # nothing of it left
                     raise StopIteration
             self._inner = position.resume_pass()
             self._pass = position.passes
