@@ -54,6 +54,9 @@ def parse_args():
                         help="keep the loader's worker processes from one epoch to the next")
     parser.add_argument("--zero", action="store_true",
                         help="shard the optimizer state over the ranks (ZeroRedundancyOptimizer)")
+    parser.add_argument("--epoch-barrier", action="store_true",
+                        help="a barrier and an all-reduce at each epoch's top, as some "
+                             "scripts have")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--out", default="", help="write the final hash to OUT.rank<r>")
     return parser.parse_args()
@@ -101,6 +104,10 @@ def main():
     with session:
         for epoch in session.epochs(args.epochs):
             sampler.set_epoch(epoch)
+            if args.epoch_barrier:
+                dist.barrier()                      # every rank starts the epoch together
+                batches = torch.tensor([float(len(loader))])
+                dist.all_reduce(batches)            # the job's batches in this epoch
             batch_size = len(next(iter(loader))[0])     # PyTorch's DDP tutorial peeks a batch
             for x, y in loader:
                 with session.step():

@@ -117,7 +117,9 @@ class DefaultGroup(dist.ProcessGroup):
         # store-taking one
         super().__init__(collective.rank, collective.world_size)  # type: ignore[call-arg]
         self._collective = collective
-        self._skip_setup = skip_setup       # a joining rank, until its Session started
+        # why collectives are answered locally, if they are: "setup" (a joining rank, until
+        # its Session started) or "epoch_top" (see answer_epoch_top_locally)
+        self._local: str | None = "setup" if skip_setup else None
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future, Any, int]] = {}   # future, no-op, generation
         self._tokens = itertools.count()
@@ -154,18 +156,37 @@ class DefaultGroup(dist.ProcessGroup):
 
     def started(self) -> None:
         """The Session joined the job: set-up is over, collectives are real from now on."""
-        self._skip_setup = False
+        if self._local == "setup":
+            self._local = None
+
+    def answer_epoch_top_locally(self, active: bool) -> None:
+        """While ``active``: this rank runs again the top of an epoch whose steps it was
+        restored into (a replacement that joined mid-epoch, or every rank re-entering the
+        epoch whose evaluation a peer died in), up to where the restored pass of its loader
+        resumes. The ranks it joins ran that code before the fault, so its collectives
+        (a ``barrier``, an ``all_reduce`` of a count) are answered locally, as set-up
+        collectives are; a collective sent to the group would meet another rank's step."""
+        if active and self._local is None:
+            self._local = "epoch_top"
+        elif not active and self._local == "epoch_top":
+            self._local = None
+
+    @property
+    def answering_locally(self) -> bool:
+        """Whether collectives are answered locally now (set-up or a restored epoch top)."""
+        return self._local is not None
 
     def monitored_barrier(self, *args: Any) -> None:
         group = self._collective.group
-        if group is not None and not self._skip_setup:
+        if group is not None and self._local is None:
             getattr(group, "monitored_barrier")(*args)   # gloo's own, not in the stubs
 
     def _forward(self, name: str, noop_at: int, *args: Any) -> dist.Work:
         collective = self._collective
         noop = args[noop_at] if noop_at >= 0 else []
-        if self._skip_setup:
-            log.info("event=setup_collective_skipped op=%s rank=%d", name, collective.rank)
+        if self._local is not None:
+            log.info("event=%s_collective_skipped op=%s rank=%d", self._local, name,
+                     collective.rank)
             return _done(_as_if_alone(name, args, noop))
         group = collective.group
         if collective.fault is not None or group is None:
@@ -356,7 +377,10 @@ def _patch_ddp() -> None:
             # skipped that broadcast while the replacement made it, and gloo matched the
             # replacement's broadcast with the survivor's evaluation all-reduce.
             self.require_forward_param_sync = True
-        self._phalanx_generation = group.generation
+        # a forward whose broadcast is answered locally (an evaluation at a restored
+        # epoch's top) leaves the next one to make it, as the other ranks' first forward
+        # since the recovery does
+        self._phalanx_generation = -1 if group.answering_locally else group.generation
         reducer = self.reducer
         self.reducer = _InitialBuckets(reducer)
         try:

@@ -181,6 +181,7 @@ class Session(Rejoining):
         self._verifier: ReplicaVerifier | None = None    # detection.compare_replicas
         self._replays = ReplayMarker()     # steps at or below the highest done: replays
         self._in_epochs = False            # the script iterates ``epochs()``
+        self._epoch_top_local = False      # see _answer_epoch_top_locally
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Session":
@@ -475,7 +476,7 @@ class Session(Rejoining):
             if name in self._objects or name in self.extras or name.startswith("__"):
                 raise ValueError(f"state {name!r} is already registered or reserved")
             if isinstance(obj, DataLoader):    # its position: phalanx.runtime.worker.data
-                obj = LoaderPosition(obj, self._recover_if_faulted,
+                obj = LoaderPosition(obj, self._before_batch,
                                      lambda: self._progress.epoch if self._in_epochs else None)
             if object_kind(obj) == "value":
                 self.extras[name] = obj
@@ -494,7 +495,9 @@ class Session(Rejoining):
         try:
             while self._progress.epoch < count:
                 epoch = self._progress.epoch
+                self._answer_epoch_top_locally(self._restored_pass_waiting())
                 yield epoch
+                self._answer_epoch_top_locally(False)
                 tail = self._restored_tail()
                 if tail is not None:      # the body's end ran as the restored epoch's tail
                     self._progress.epoch = tail + 1
@@ -509,6 +512,38 @@ class Session(Rejoining):
                 self._recover_if_faulted()
         finally:
             self._in_epochs = False
+            self._answer_epoch_top_locally(False)
+
+    def _restored_pass_waiting(self) -> bool:
+        """A registered loader holds a restore its loop has not resumed yet."""
+        return any(isinstance(obj, LoaderPosition) and obj.pending is not None
+                   for obj in self._objects.values())
+
+    def _answer_epoch_top_locally(self, active: bool) -> None:
+        """From ``epochs()`` entering an epoch that this rank was restored into, until the
+        restored pass of its loader resumes (its first batch, or its end when the restored
+        step was the epoch's last): the code at the epoch's top runs again here only (on a
+        replacement that joined mid-epoch, or on every rank re-entering the epoch whose
+        evaluation a peer died in), the ranks beside it ran it before the fault, so the
+        default group answers its collectives locally. Without this a replacement's
+        ``dist.barrier()`` at the top of its epoch met the survivors' first gradient
+        all-reduce, and the job failed at the group timeout."""
+        if active == self._epoch_top_local:
+            return
+        self._epoch_top_local = active
+        group = default_group()
+        if group is not None and group.fault_tolerant:
+            group.answer_epoch_top_locally(active)
+            if active:
+                log.info("event=restored_epoch_top epoch=%d rank=%d", self._progress.epoch,
+                         self.context.rank)
+
+    def _before_batch(self) -> None:
+        """Before a registered loader's next batch: the restored pass is running, so a
+        restored epoch's top is over; then ``_recover_if_faulted``."""
+        if self._epoch_top_local and not self._restored_pass_waiting():
+            self._answer_epoch_top_locally(False)
+        self._recover_if_faulted()
 
     def _restored_tail(self) -> int | None:
         """The restored epoch whose tail the epoch body just ran, if a restore moved a
@@ -544,6 +579,8 @@ class Session(Rejoining):
         member record tells the stall detector whether it is inside a step and how long
         its last completed step took."""
         index, recoveries = self._progress.step_index, self.recoveries
+        if self._epoch_top_local:      # a step is never part of an epoch's top
+            self._answer_epoch_top_locally(False)
         started = time.perf_counter()
         self._activity.enter_step()
         completed = False

@@ -144,6 +144,37 @@ def test_a_joining_rank_answers_set_up_collectives_alone_until_started() -> None
     assert rank0["summed"] == joining["summed"] == 2.0
 
 
+def _restored_top(rank: Rank) -> dict:
+    if rank.rank == 0:                    # a survivor: its next collective is a step's
+        _, group = formed(rank)
+        group.allreduce([summed := torch.ones(1)]).wait()
+        return {"summed": summed.item()}
+    _, joining = formed(rank, skip_setup=True)
+    joining.answer_epoch_top_locally(False)     # set-up stays local until started
+    seen = {"setup_local": joining.answering_locally}
+    joining.started()
+    joining.answer_epoch_top_locally(True)      # entered the epoch it was restored into
+    joining.barrier().wait()                    # the epoch's top: the survivor ran it
+    joining.allreduce([count := torch.full((1,), 5.0)]).wait()
+    joining.started()                           # a set-up end does not end the top
+    seen["top_local"] = joining.answering_locally
+    joining.answer_epoch_top_locally(False)     # its restored pass resumed
+    joining.allreduce([summed := torch.ones(1)]).wait()
+    return {**seen, "count": count.item(), "summed": summed.item(),
+            "local_after": joining.answering_locally}
+
+
+@pytest.mark.timeout(90)
+def test_a_restored_epochs_top_is_answered_locally_until_its_pass_resumes() -> None:
+    """A replacement that joined mid-epoch runs the epoch's top again (its ``barrier``, an
+    ``all_reduce`` of a count): the survivors ran it before the fault, so it is answered
+    locally, and the next collective (the step's) meets the survivor's."""
+    rank0, joining = on_ranks(_restored_top)
+    assert joining["setup_local"] and joining["top_local"] and not joining["local_after"]
+    assert joining["count"] == 5.0                 # as if alone
+    assert rank0["summed"] == joining["summed"] == 2.0
+
+
 def _bucket_sizes(ddp: torch.nn.Module) -> list[int]:
     """The elements of each of the DDP reducer's buckets, in launch order."""
     return [bucket.buffer().numel() for bucket in ddp.reducer._get_zeros_like_grad_buckets()]

@@ -83,7 +83,7 @@ def seed_reference(run_root: Path, *overrides: str) -> None:
 # DDP, DataLoader over a shuffling DistributedSampler with workers, epochs, evaluation)
 # with a BatchNorm model whose buffers DDP broadcasts (one shared fault-free reference);
 # the others on the demo. Plain DDP through a fault: tests/integration/test_default_group_job.py.
-DDP_ARGV = '["--epochs", "3", "--sleep", "0.05", "--batchnorm"]'
+DDP_ARGV = '["--epochs", "3", "--sleep", "0.05", "--batchnorm", "--epoch-barrier"]'
 ON_DDP = {"kill_worker": DDP_ARGV, "kill_node": DDP_ARGV, "hang_worker": DDP_ARGV,
           "tier_fallback": DDP_ARGV}
 
@@ -150,7 +150,7 @@ def check_kill_worker(run: Run) -> None:
 def ddp_group_reformed_in_place(run: Run, replaced: set[int]) -> None:
     """The DDP script's survivors discarded the step whose buckets failed and re-formed
     the default group in their own process; the spare skipped the set-up collectives of
-    its DDP construction (the survivors passed them long ago)."""
+    its DDP construction and of its epoch's top (the survivors passed them long ago)."""
     logs = run.logs()
     for rank in set(range(4)) - replaced:
         log = logs[f"rank_{rank}_w{rank}-g0"]
@@ -160,6 +160,9 @@ def ddp_group_reformed_in_place(run: Run, replaced: set[int]) -> None:
     for rank in replaced:
         (spare,) = [text for name, text in logs.items() if name.startswith(f"rank_{rank}_spare")]
         assert "event=setup_collective_skipped op=broadcast" in spare
+        # it joined mid-epoch: the epoch's top (the script's barrier and all-reduce), which
+        # the survivors ran before the fault, answered locally
+        assert "event=epoch_top_collective_skipped op=barrier" in spare
 
 
 def check_hang_worker(run: Run) -> None:
