@@ -10,6 +10,7 @@ evaluation all-reduce) is the torchrun script's own:
 """
 import argparse
 import hashlib
+import os
 import time
 
 import torch
@@ -54,6 +55,9 @@ def parse_args():
                         help="keep the loader's worker processes from one epoch to the next")
     parser.add_argument("--zero", action="store_true",
                         help="shard the optimizer state over the ranks (ZeroRedundancyOptimizer)")
+    parser.add_argument("--dist-url", default="env://",
+                        help="init_process_group's init_method, such as "
+                             "tcp://{MASTER_ADDR}:{MASTER_PORT} (read from the environment)")
     parser.add_argument("--epoch-barrier", action="store_true",
                         help="a barrier and an all-reduce at each epoch's top, as some "
                              "scripts have")
@@ -85,7 +89,8 @@ def finish(model, out):
 
 def main():
     args = parse_args()
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", init_method=args.dist_url.format_map(os.environ),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     torch.manual_seed(0)
     data = Regression(args.samples, seed=1)
     sampler = DistributedSampler(data, shuffle=True, seed=2)

@@ -490,6 +490,9 @@ def install(ctx: WorkerContext) -> None:
                         init_method)
             original(backend, init_method, timeout, world_size, rank, store, **kwargs)
             return
+        if init_method not in (None, "env://"):
+            log.info("event=init_method_replaced init_method=%s: the launcher's rendezvous "
+                     "serves the default group", init_method)
         if (world_size not in (-1, ctx.world_size)) or (rank not in (-1, ctx.rank)):
             raise ValueError(f"init_process_group(rank={rank}, world_size={world_size}) "
                              f"disagrees with the launcher's RANK={ctx.rank} WORLD_SIZE="
@@ -513,9 +516,16 @@ def install(ctx: WorkerContext) -> None:
 
 
 def _ours(backend: str | None, init_method: str | None, store: dist.Store | None) -> bool:
+    """Whether phalanx's re-formable group serves this call: gloo, with no store of the
+    script's own. Any ``init_method`` (``env://``, ``tcp://host:port``, ``file://``) names
+    a rendezvous, which the launcher's store replaces: a script that spells out
+    ``tcp://{MASTER_ADDR}:{MASTER_PORT}`` or a fixed port, as PyTorch's ImageNet example
+    does, then runs as with ``env://`` (its own rendezvous, the launcher's store's port or
+    another, hung a launched job at start or at its end)."""
     name = (backend or "gloo").lower()
     return (name in ("gloo", "cpu:gloo", BACKEND) and store is None
-            and init_method in (None, "env://"))
+            and (init_method is None or init_method.startswith(("env://", "tcp://",
+                                                                "file://"))))
 
 
 def _create(store: dist.Store, rank: int, world_size: int,

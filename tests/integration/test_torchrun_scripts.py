@@ -76,10 +76,15 @@ def _torchrun_hash(tmp_path: Path, argv: list[str]) -> str:
 @pytest.mark.timeout(420)
 def test_an_unchanged_torchrun_script_ends_as_under_torchrun(tmp_path: Path) -> None:
     root = project(tmp_path)
-    script_args = ["--samples", "256", "--workers", "2"]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    # the rendezvous spelled out as tcp://MASTER_ADDR:MASTER_PORT, as scripts derived from
+    # PyTorch's ImageNet example do: torchrun's agent store is there; under phalanx the
+    # launcher's store serves the group as with env:// (the script's own TCP rendezvous
+    # on the launcher's port trained, then hung the launched job at its end)
+    script_args = ["--samples", "256", "--workers", "2",
+                   "--dist-url", "tcp://{MASTER_ADDR}:{MASTER_PORT}"]
     torchrun = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
          "--master-port", str(port), "train.py", str(tmp_path / "torchrun-env"), *script_args,
