@@ -58,6 +58,8 @@ def parse_args():
     parser.add_argument("--dist-url", default="env://",
                         help="init_process_group's init_method, such as "
                              "tcp://{MASTER_ADDR}:{MASTER_PORT} (read from the environment)")
+    parser.add_argument("--eval-first", action="store_true",
+                        help="evaluate at each epoch's top too (the loss it starts from)")
     parser.add_argument("--epoch-barrier", action="store_true",
                         help="a barrier and an all-reduce at each epoch's top, as some "
                              "scripts have")
@@ -109,6 +111,10 @@ def main():
     with session:
         for epoch in session.epochs(args.epochs):
             sampler.set_epoch(epoch)
+            if args.eval_first:
+                start_loss = evaluate(model, test_loader)
+                if dist.get_rank() == 0:
+                    print(f"epoch {epoch} starts at test loss {start_loss:.5f}", flush=True)
             if args.epoch_barrier:
                 dist.barrier()                      # every rank starts the epoch together
                 batches = torch.tensor([float(len(loader))])

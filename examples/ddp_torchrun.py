@@ -56,6 +56,8 @@ def parse_args():
     parser.add_argument("--dist-url", default="env://",
                         help="init_process_group's init_method, such as "
                              "tcp://{MASTER_ADDR}:{MASTER_PORT} (read from the environment)")
+    parser.add_argument("--eval-first", action="store_true",
+                        help="evaluate at each epoch's top too (the loss it starts from)")
     parser.add_argument("--epoch-barrier", action="store_true",
                         help="a barrier and an all-reduce at each epoch's top, as some "
                              "scripts have")
@@ -104,6 +106,10 @@ def main():
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
+        if args.eval_first:
+            start_loss = evaluate(model, test_loader)
+            if dist.get_rank() == 0:
+                print(f"epoch {epoch} starts at test loss {start_loss:.5f}", flush=True)
         if args.epoch_barrier:
             dist.barrier()                      # every rank starts the epoch together
             batches = torch.tensor([float(len(loader))])

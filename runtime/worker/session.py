@@ -16,6 +16,7 @@ returns from ``step()``; ``step_index`` then says which step to run.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -53,7 +54,7 @@ from phalanx.runtime.consistency.digest import REPLICAS_EXTRA
 from phalanx.runtime.consistency.verify import (ReplicaVerifier, compared_names,
                                                 per_rank_tensors, replicated_names)
 from phalanx.runtime.snapshot.snapshotter import SnapshotPolicy, Snapshotter
-from phalanx.runtime.snapshot.state_classes import StateClasses
+from phalanx.runtime.snapshot.state_classes import BuffersOf, GroupsOf, ParamsOf, StateClasses
 from phalanx.runtime.snapshot.state_tree import (RNGState, assign_in_place, flatten_state,
                                                   object_kind)
 
@@ -182,6 +183,7 @@ class Session(Rejoining):
         self._replays = ReplayMarker()     # steps at or below the highest done: replays
         self._in_epochs = False            # the script iterates ``epochs()``
         self._epoch_top_local = False      # see _answer_epoch_top_locally
+        self._top_state: dict[str, tuple[Any, Any]] | None = None  # _enter_restored_top
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Session":
@@ -495,9 +497,11 @@ class Session(Rejoining):
         try:
             while self._progress.epoch < count:
                 epoch = self._progress.epoch
-                self._answer_epoch_top_locally(self._restored_pass_waiting())
+                if self._restored_pass_waiting():
+                    self._enter_restored_top()
                 yield epoch
                 self._answer_epoch_top_locally(False)
+                self._top_state = None
                 tail = self._restored_tail()
                 if tail is not None:      # the body's end ran as the restored epoch's tail
                     self._progress.epoch = tail + 1
@@ -513,6 +517,7 @@ class Session(Rejoining):
         finally:
             self._in_epochs = False
             self._answer_epoch_top_locally(False)
+            self._top_state = None
 
     def _restored_pass_waiting(self) -> bool:
         """A registered loader holds a restore its loop has not resumed yet."""
@@ -538,11 +543,40 @@ class Session(Rejoining):
                 log.info("event=restored_epoch_top epoch=%d rank=%d", self._progress.epoch,
                          self.context.rank)
 
+    def _enter_restored_top(self) -> None:
+        """Entering the epoch this rank was restored into: its top runs again here, so its
+        collectives are answered locally, and what it changes of the per-rank state (the
+        RNGs an evaluation's loader draws from, a scheduler stepped at the epoch's start,
+        the learning rate) is set back to the restored values where the restored pass
+        resumes (``_leave_restored_top``): the restored state already holds the top's
+        effects, made before the fault. (Without it an evaluation at the epoch's top drew
+        the RNG once more on the replacement, and the run ended with other parameters.)"""
+        self._answer_epoch_top_locally(True)
+        kept: dict[str, Any] = {}
+        for name, obj in self._state_classes().per_rank.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                kept[name] = GroupsOf(obj)        # its hyperparameters, not its tensors
+            elif not isinstance(obj, (LoaderPosition, _Progress, ParamsOf, BuffersOf,
+                                      torch.nn.Module)):
+                kept[name] = obj
+        self._top_state = {name: (obj, copy.deepcopy(obj.state_dict()))
+                           for name, obj in kept.items()}
+
+    def _leave_restored_top(self) -> None:
+        """The restored pass resumes (its first batch, or its end): see above."""
+        self._answer_epoch_top_locally(False)
+        state, self._top_state = self._top_state, None
+        if state:
+            for obj, saved in state.values():
+                obj.load_state_dict(saved)
+            log.info("event=restored_epoch_top_undone names=%s rank=%d", sorted(state),
+                     self.context.rank)
+
     def _before_batch(self) -> None:
         """Before a registered loader's next batch: the restored pass is running, so a
         restored epoch's top is over; then ``_recover_if_faulted``."""
         if self._epoch_top_local and not self._restored_pass_waiting():
-            self._answer_epoch_top_locally(False)
+            self._leave_restored_top()
         self._recover_if_faulted()
 
     def _restored_tail(self) -> int | None:
@@ -580,7 +614,7 @@ class Session(Rejoining):
         its last completed step took."""
         index, recoveries = self._progress.step_index, self.recoveries
         if self._epoch_top_local:      # a step is never part of an epoch's top
-            self._answer_epoch_top_locally(False)
+            self._leave_restored_top()
         started = time.perf_counter()
         self._activity.enter_step()
         completed = False

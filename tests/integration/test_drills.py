@@ -83,7 +83,8 @@ def seed_reference(run_root: Path, *overrides: str) -> None:
 # DDP, DataLoader over a shuffling DistributedSampler with workers, epochs, evaluation)
 # with a BatchNorm model whose buffers DDP broadcasts (one shared fault-free reference);
 # the others on the demo. Plain DDP through a fault: tests/integration/test_default_group_job.py.
-DDP_ARGV = '["--epochs", "3", "--sleep", "0.05", "--batchnorm", "--epoch-barrier"]'
+DDP_ARGV = ('["--epochs", "3", "--sleep", "0.05", "--batchnorm", "--eval-first", '
+            '"--epoch-barrier"]')
 ON_DDP = {"kill_worker": DDP_ARGV, "kill_node": DDP_ARGV, "hang_worker": DDP_ARGV,
           "tier_fallback": DDP_ARGV}
 
@@ -160,9 +161,11 @@ def ddp_group_reformed_in_place(run: Run, replaced: set[int]) -> None:
     for rank in replaced:
         (spare,) = [text for name, text in logs.items() if name.startswith(f"rank_{rank}_spare")]
         assert "event=setup_collective_skipped op=broadcast" in spare
-        # it joined mid-epoch: the epoch's top (the script's barrier and all-reduce), which
-        # the survivors ran before the fault, answered locally
+        # it joined mid-epoch: the epoch's top (the script's evaluation, barrier and
+        # all-reduce), which the survivors ran before the fault, answered locally, and the
+        # RNG draws of its evaluation's loader undone where the restored pass resumed
         assert "event=epoch_top_collective_skipped op=barrier" in spare
+        assert "event=restored_epoch_top_undone" in spare
 
 
 def check_hang_worker(run: Run) -> None:
