@@ -182,8 +182,9 @@ class Session(Rejoining):
         self._verifier: ReplicaVerifier | None = None    # detection.compare_replicas
         self._replays = ReplayMarker()     # steps at or below the highest done: replays
         self._in_epochs = False            # the script iterates ``epochs()``
-        self._epoch_top_local = False      # see _answer_epoch_top_locally
-        self._top_state: dict[str, tuple[Any, Any]] | None = None  # _enter_restored_top
+        # while a restored epoch's top runs again: the per-rank state to set back where the
+        # restored pass resumes (see _enter_restored_top); None otherwise
+        self._top_state: dict[str, tuple[Any, Any]] | None = None
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Session":
@@ -500,8 +501,7 @@ class Session(Rejoining):
                 if self._restored_pass_waiting():
                     self._enter_restored_top()
                 yield epoch
-                self._answer_epoch_top_locally(False)
-                self._top_state = None
+                self._drop_restored_top()
                 tail = self._restored_tail()
                 if tail is not None:      # the body's end ran as the restored epoch's tail
                     self._progress.epoch = tail + 1
@@ -516,42 +516,29 @@ class Session(Rejoining):
                 self._recover_if_faulted()
         finally:
             self._in_epochs = False
-            self._answer_epoch_top_locally(False)
-            self._top_state = None
+            self._drop_restored_top()
 
     def _restored_pass_waiting(self) -> bool:
         """A registered loader holds a restore its loop has not resumed yet."""
         return any(isinstance(obj, LoaderPosition) and obj.pending is not None
                    for obj in self._objects.values())
 
-    def _answer_epoch_top_locally(self, active: bool) -> None:
-        """From ``epochs()`` entering an epoch that this rank was restored into, until the
-        restored pass of its loader resumes (its first batch, or its end when the restored
-        step was the epoch's last): the code at the epoch's top runs again here only (on a
-        replacement that joined mid-epoch, or on every rank re-entering the epoch whose
-        evaluation a peer died in), the ranks beside it ran it before the fault, so the
-        default group answers its collectives locally. Without this a replacement's
-        ``dist.barrier()`` at the top of its epoch met the survivors' first gradient
-        all-reduce, and the job failed at the group timeout."""
-        if active == self._epoch_top_local:
-            return
-        self._epoch_top_local = active
-        group = default_group()
-        if group is not None and group.fault_tolerant:
-            group.answer_epoch_top_locally(active)
-            if active:
-                log.info("event=restored_epoch_top epoch=%d rank=%d", self._progress.epoch,
-                         self.context.rank)
-
     def _enter_restored_top(self) -> None:
-        """Entering the epoch this rank was restored into: its top runs again here, so its
-        collectives are answered locally, and what it changes of the per-rank state (the
-        RNGs an evaluation's loader draws from, a scheduler stepped at the epoch's start,
-        the learning rate) is set back to the restored values where the restored pass
-        resumes (``_leave_restored_top``): the restored state already holds the top's
-        effects, made before the fault. (Without it an evaluation at the epoch's top drew
-        the RNG once more on the replacement, and the run ended with other parameters.)"""
-        self._answer_epoch_top_locally(True)
+        """``epochs()`` enters an epoch this rank was restored into: its top (the code
+        before the batch loop) runs again here only, on a replacement that joined mid-epoch
+        or on every rank re-entering the epoch whose evaluation a peer died in; the ranks
+        beside it ran it before the fault. Until the restored pass of its loader resumes
+        (its first batch, or its end when the restored step was the epoch's last) the
+        default group answers its collectives locally, and what it changes of the per-rank
+        state (the RNGs an evaluation's loader draws from, a scheduler stepped at the
+        epoch's start, the learning rate) is set back then to the restored values, which
+        already hold the top's effects (``_leave_restored_top``). Without this a
+        replacement's ``dist.barrier()`` at the top met the survivors' first gradient
+        all-reduce and the job failed at the group timeout; an evaluation at the top drew
+        the RNG once more on the replacement and the run ended with other parameters."""
+        self._epoch_top_on_group(True)
+        log.info("event=restored_epoch_top epoch=%d rank=%d", self._progress.epoch,
+                 self.context.rank)
         kept: dict[str, Any] = {}
         for name, obj in self._state_classes().per_rank.items():
             if isinstance(obj, torch.optim.Optimizer):
@@ -564,18 +551,29 @@ class Session(Rejoining):
 
     def _leave_restored_top(self) -> None:
         """The restored pass resumes (its first batch, or its end): see above."""
-        self._answer_epoch_top_locally(False)
-        state, self._top_state = self._top_state, None
+        state = self._top_state
+        self._drop_restored_top()
         if state:
             for obj, saved in state.values():
                 obj.load_state_dict(saved)
             log.info("event=restored_epoch_top_undone names=%s rank=%d", sorted(state),
                      self.context.rank)
 
+    def _drop_restored_top(self) -> None:
+        """End a restored epoch's top (if one runs) without setting anything back."""
+        if self._top_state is not None:
+            self._top_state = None
+            self._epoch_top_on_group(False)
+
+    def _epoch_top_on_group(self, active: bool) -> None:
+        group = default_group()
+        if group is not None and group.fault_tolerant:
+            group.answer_epoch_top_locally(active)
+
     def _before_batch(self) -> None:
         """Before a registered loader's next batch: the restored pass is running, so a
         restored epoch's top is over; then ``_recover_if_faulted``."""
-        if self._epoch_top_local and not self._restored_pass_waiting():
+        if self._top_state is not None and not self._restored_pass_waiting():
             self._leave_restored_top()
         self._recover_if_faulted()
 
@@ -613,7 +611,7 @@ class Session(Rejoining):
         member record tells the stall detector whether it is inside a step and how long
         its last completed step took."""
         index, recoveries = self._progress.step_index, self.recoveries
-        if self._epoch_top_local:      # a step is never part of an epoch's top
+        if self._top_state is not None:      # a step is never part of an epoch's top
             self._leave_restored_top()
         started = time.perf_counter()
         self._activity.enter_step()
