@@ -79,12 +79,13 @@ def test_an_unchanged_torchrun_script_ends_as_under_torchrun(tmp_path: Path) -> 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    # the rendezvous spelled out as tcp://MASTER_ADDR:MASTER_PORT, as scripts derived from
-    # PyTorch's ImageNet example do: torchrun's agent store is there; under phalanx the
-    # launcher's store serves the group as with env:// (the script's own TCP rendezvous
-    # on the launcher's port trained, then hung the launched job at its end)
-    script_args = ["--samples", "256", "--workers", "2",
-                   "--dist-url", "tcp://{MASTER_ADDR}:{MASTER_PORT}"]
+    script_args = ["--samples", "256", "--workers", "2"]
+    # under phalanx the rendezvous spelled out as tcp://MASTER_ADDR:MASTER_PORT, as scripts
+    # derived from PyTorch's ImageNet example do: the launcher's store serves the group as
+    # with env:// (the script's own TCP rendezvous on the launcher's port trained, then
+    # hung the launched job at its end). torchrun keeps env:// (the rendezvous does not
+    # change the computation; tcp:// under torchrun hung now and then at its start here)
+    tcp = ["--dist-url", "tcp://{MASTER_ADDR}:{MASTER_PORT}"]
     torchrun = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
          "--master-port", str(port), "train.py", str(tmp_path / "torchrun-env"), *script_args,
@@ -95,7 +96,7 @@ def test_an_unchanged_torchrun_script_ends_as_under_torchrun(tmp_path: Path) -> 
         [sys.executable, "-m", "phalanx.launcher.cli", "run", "--nnodes", "2",
          "--nproc-per-node", "2", "--set", f"job.run_dir={tmp_path / 'runs'}",
          "--set", "snapshot.rank_size_mb=1", "--set", "job.cpus_per_worker=0.25",
-         "train.py", str(tmp_path / "phalanx-env"), *script_args,
+         "train.py", str(tmp_path / "phalanx-env"), *script_args, *tcp,
          "--out", str(tmp_path / "phalanx")],
         cwd=root, capture_output=True, text=True, timeout=300)
     assert launched.returncode == 0, launched.stderr[-5000:]
@@ -110,6 +111,8 @@ def test_an_unchanged_torchrun_script_ends_as_under_torchrun(tmp_path: Path) -> 
     assert all(e["configs"] == str(root / "configs" / "__init__.py") for e in envs)
     # unprotected, and told so: no Session counted a step or snapshotted anything
     assert "no rank of job train ran a phalanx.Session" in " ".join(launched.stderr.split())
+    logs = "".join(p.read_text() for p in (tmp_path / "runs").glob("*/logs/rank_*.log"))
+    assert logs.count("event=init_method_replaced init_method=tcp://") == 4
 
 
 @pytest.mark.timeout(240)
