@@ -89,8 +89,12 @@ def finish(model, out):
 
 def main():
     args = parse_args()
-    dist.init_process_group("gloo", init_method=args.dist_url.format_map(os.environ),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    if args.dist_url == "env://":
+        dist.init_process_group("gloo")
+    else:       # a tcp:// rendezvous needs the rank and world size given
+        dist.init_process_group("gloo", init_method=args.dist_url.format_map(os.environ),
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     torch.manual_seed(0)
     data = Regression(args.samples, seed=1)
     sampler = DistributedSampler(data, shuffle=True, seed=2)
