@@ -63,19 +63,24 @@ def parse_args():
     parser.add_argument("--epoch-barrier", action="store_true",
                         help="a barrier and an all-reduce at each epoch's top, as some "
                              "scripts have")
+    parser.add_argument("--run-name", action="store_true",
+                        help="rank 0 names the run and broadcasts the name "
+                             "(broadcast_object_list), as scripts share a name, seed or config")
+    parser.add_argument("--eval-group", action="store_true",
+                        help="the evaluation all-reduces over a group made by dist.new_group")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--out", default="", help="write the final hash to OUT.rank<r>")
     return parser.parse_args()
 
 
-def evaluate(model, loader):
+def evaluate(model, loader, group=None):
     model.eval()
     total = torch.zeros(2)
     with torch.no_grad():
         for x, y in loader:
             total += torch.stack([nn.functional.mse_loss(model(x), y, reduction="sum"),
                                   torch.tensor(float(len(x)))])
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=group)
     model.train()
     return (total[0] / total[1]).item()
 
@@ -97,6 +102,11 @@ def main():
         dist.init_process_group("gloo", init_method=args.dist_url.format_map(os.environ),
                                 rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]))
+    if args.run_name:
+        name = [time.strftime("run-%Y%m%d-%H%M%S") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(name, src=0)
+        print(f"rank {dist.get_rank()} run name {name[0]}", flush=True)
+    eval_group = dist.new_group() if args.eval_group else None
     torch.manual_seed(0)
     data = Regression(args.samples, seed=1)
     sampler = DistributedSampler(data, shuffle=True, seed=2)
@@ -116,7 +126,7 @@ def main():
         for epoch in session.epochs(args.epochs):
             sampler.set_epoch(epoch)
             if args.eval_first:
-                start_loss = evaluate(model, test_loader)
+                start_loss = evaluate(model, test_loader, eval_group)
                 if dist.get_rank() == 0:
                     print(f"epoch {epoch} starts at test loss {start_loss:.5f}", flush=True)
             if args.epoch_barrier:
@@ -132,7 +142,7 @@ def main():
                     optimizer.step()
                     time.sleep(args.sleep)
             scheduler.step()
-            test_loss = evaluate(model, test_loader)
+            test_loss = evaluate(model, test_loader, eval_group)
             if dist.get_rank() == 0:
                 print(f"epoch {epoch} batch {batch_size} test loss {test_loss:.5f}", flush=True)
     finish(model, args.out)

@@ -76,6 +76,10 @@ class Collective:
     def store(self) -> dist.Store:
         return self._store
 
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
     def mark_fault(self, reason: str) -> None:
         """Record that this generation's group failed (the first reason is kept)."""
         if self.fault is None:
@@ -132,6 +136,47 @@ class Collective:
         self.generation = generation
         self.fault = None
         self._release_parked()
+
+    def form_subgroup(self, name: str, rank: int, size: int, timeout_s: float
+                      ) -> dist.ProcessGroup:
+        """Build this generation's gloo group of some of its ranks (``rank`` and ``size``
+        within it; ``name`` tells it from the others) on a store client of its own, while
+        this thread looks for a newer generation (under a Session): a member that died
+        before it came raises ``CollectiveAborted`` when the recovery is announced, not
+        after the group timeout. Raises ``CollectiveAborted`` when it did not form."""
+        generation = self.generation
+        built: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                built["group"] = form_group(self._connect(), generation, rank, size,
+                                            timeout_s, name)
+            except Exception as exc:  # the thread's boundary: becomes CollectiveAborted
+                built["error"] = exc
+            if "group" in built and built.get("abandoned"):
+                self._parked.append(built["group"])   # formed too late: reaped later
+
+        thread = threading.Thread(target=build, name=f"phalanx-form-{name}-gen{generation}",
+                                  daemon=True)
+        thread.start()
+        pause = 0.0005
+        while thread.is_alive():
+            if self.absorb_faults and self.superseded():
+                built["abandoned"] = True
+                raise CollectiveAborted(f"a newer generation began while {name} of "
+                                        f"generation {generation} was forming")
+            thread.join(pause)
+            pause = min(pause * 2, 0.02)
+        if "error" in built:
+            raise CollectiveAborted(f"{_whole(built['error'])}")
+        return built["group"]
+
+    def park(self, group: dist.ProcessGroup) -> None:
+        """Leave ``group`` (a group of an earlier generation) to be aborted and dropped
+        with the groups the next ``form`` releases."""
+        self._parked.append(group)
+        if self._group is not None:      # this generation formed already: release now
+            self._release_parked()
 
     def _release_parked(self) -> None:
         """Hand the parked groups to a reaper thread that aborts and drops them (their

@@ -26,6 +26,7 @@ import itertools
 import logging
 import os
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -36,6 +37,7 @@ from torch.futures import Future
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.group.process_group import connect_store
+from phalanx.runtime.group.setup_record import SetupRecord
 from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
 from phalanx.runtime.membership.generation import GenerationWatcher
 
@@ -108,21 +110,21 @@ def _done(value: Any) -> _FutureWork:
     return _FutureWork(future)
 
 
-class DefaultGroup(dist.ProcessGroup):
-    """The job's default group; every collective goes to ``collective.group``, the gloo
-    group of the generation this rank is in."""
+class _Forwarding(dist.ProcessGroup):
+    """A Python ProcessGroup whose collectives run on a gloo group of the generation this
+    rank is in (``_gloo``), answered locally while ``_local`` says so, and completed as
+    no-ops when they fail or a newer generation supersedes them under a Session."""
 
-    def __init__(self, collective: Collective, skip_setup: bool) -> None:
+    def __init__(self, collective: Collective, rank: int, size: int, name: str) -> None:
         # the (rank, size) constructor of a Python-defined group; the stubs list only the
         # store-taking one
-        super().__init__(collective.rank, collective.world_size)  # type: ignore[call-arg]
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._collective = collective
-        # why collectives are answered locally, if they are: "setup" (a joining rank, until
-        # its Session started) or "epoch_top" (see answer_epoch_top_locally)
-        self._local: str | None = "setup" if skip_setup else None
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[Future, Any, int]] = {}   # future, no-op, generation
+        # future, no-op (the result argument), generation, set-up call number
+        self._pending: dict[int, tuple[Future, Any, int, int | None]] = {}
         self._tokens = itertools.count()
+        self._setup = SetupRecord(lambda: collective.store, name, collective.rank)
         collective.on_announced(self._abort_if_superseded)
 
     def getBackendName(self) -> str:  # noqa: N802  (torch's name)
@@ -133,7 +135,7 @@ class DefaultGroup(dist.ProcessGroup):
     @property
     def group_name(self) -> c10d.GroupName:
         """The name torch registered this group under (a C++ ProcessGroup reads its name
-        from its backends, and this group has none): a DeviceMesh over the default group
+        from its backends, and this group has none): a DeviceMesh over the group
         (``init_device_mesh``, FSDP2) stores this name and resolves it back to this same
         group object, so the mesh keeps working after a re-form."""
         return c10d._world.pg_names[self]
@@ -154,41 +156,34 @@ class DefaultGroup(dist.ProcessGroup):
         """The generation whose group this rank is in (it moves at every recovery)."""
         return self._collective.generation
 
-    def started(self) -> None:
-        """The Session joined the job: set-up is over, collectives are real from now on."""
-        if self._local == "setup":
-            self._local = None
+    @property
+    def _local(self) -> str | None:
+        """Why collectives are answered locally now, if they are."""
+        raise NotImplementedError
 
-    def answer_epoch_top_locally(self, active: bool) -> None:
-        """While ``active``: this rank runs again the top of an epoch whose steps it was
-        restored into (a replacement that joined mid-epoch, or every rank re-entering the
-        epoch whose evaluation a peer died in), up to where the restored pass of its loader
-        resumes. The ranks it joins ran that code before the fault, so its collectives
-        (a ``barrier``, an ``all_reduce`` of a count) are answered locally, as set-up
-        collectives are; a collective sent to the group would meet another rank's step."""
-        if active and self._local is None:
-            self._local = "epoch_top"
-        elif not active and self._local == "epoch_top":
-            self._local = None
+    def _gloo(self) -> dist.ProcessGroup | None:
+        """This generation's gloo group for these ranks (None: none formed)."""
+        raise NotImplementedError
 
     @property
     def answering_locally(self) -> bool:
         """Whether collectives are answered locally now (set-up or a restored epoch top)."""
         return self._local is not None
 
-    def monitored_barrier(self, *args: Any) -> None:
-        group = self._collective.group
-        if group is not None and self._local is None:
-            getattr(group, "monitored_barrier")(*args)   # gloo's own, not in the stubs
-
     def _forward(self, name: str, noop_at: int, *args: Any) -> dist.Work:
         collective = self._collective
         noop = args[noop_at] if noop_at >= 0 else []
-        if self._local is not None:
-            log.info("event=%s_collective_skipped op=%s rank=%d", self._local, name,
+        call = self._setup.number()
+        local = self._local
+        if local is not None:
+            if local == "setup" and self._setup.replay(call, noop):
+                log.info("event=setup_collective_replayed op=%s rank=%d call=%s", name,
+                         collective.rank, call)
+                return _done(noop)
+            log.info("event=%s_collective_skipped op=%s rank=%d", local, name,
                      collective.rank)
             return _done(_as_if_alone(name, args, noop))
-        group = collective.group
+        group = self._gloo() if collective.fault is None else None
         if collective.fault is not None or group is None:
             return self._refused(name, noop, collective.fault or "no group formed yet")
         try:
@@ -199,7 +194,7 @@ class DefaultGroup(dist.ProcessGroup):
         future: Future = Future()
         token = next(self._tokens)
         with self._lock:
-            self._pending[token] = (future, noop, collective.generation)
+            self._pending[token] = (future, noop, collective.generation, call)
         _future_of(work).then(functools.partial(self._settle, token, name))
         self._abort_if_superseded()     # announced before this call was pending
         return _FutureWork(future)
@@ -207,14 +202,16 @@ class DefaultGroup(dist.ProcessGroup):
     def _refused(self, name: str, noop: Any, reason: str) -> dist.Work:
         if self._collective.absorb_faults:
             return _done(noop)
-        raise CollectiveAborted(f"{name} on the default group: {reason}")
+        raise CollectiveAborted(f"{name} on the {self._what}: {reason}")
+
+    _what = "default group"
 
     def _settle(self, token: int, name: str, inner: Future) -> None:
         with self._lock:
             entry = self._pending.pop(token, None)
         if entry is None:          # already completed by an abort
             return
-        future, noop, generation = entry
+        future, noop, generation, call = entry
         try:
             value = inner.value()
         except Exception as exc:  # the gloo thread's boundary: a peer failed
@@ -227,7 +224,14 @@ class DefaultGroup(dist.ProcessGroup):
             else:
                 future.set_exception(exc)
             return
+        if call is not None:
+            self._setup.keep(call, noop)
         future.set_result(value)
+
+    def _setup_over(self) -> None:
+        """The Session started: the set-up calls this rank made are kept for a rank that
+        replaces it (``SetupRecord``)."""
+        self._setup.publish()
 
     def _abort_if_superseded(self) -> None:
         """Complete every pending collective as a no-op once a newer generation is
@@ -238,7 +242,7 @@ class DefaultGroup(dist.ProcessGroup):
         if not collective.absorb_faults or not collective.superseded():
             return
         with self._lock:
-            aborted = [(f, n) for f, n, _ in self._pending.values()]
+            aborted = [(f, n) for f, n, _, _ in self._pending.values()]
             self._pending.clear()
         if not aborted:
             return
@@ -247,17 +251,129 @@ class DefaultGroup(dist.ProcessGroup):
             future.set_result(noop)
 
 
+class DefaultGroup(_Forwarding):
+    """The job's default group; every collective goes to ``collective.group``, the gloo
+    group of the generation this rank is in."""
+
+    def __init__(self, collective: Collective, skip_setup: bool) -> None:
+        super().__init__(collective, collective.rank, collective.world_size, "world")
+        self._subgroups: list[weakref.ref[SubGroup]] = []
+        # why collectives are answered locally, if they are: "setup" (a joining rank, until
+        # its Session started) or "epoch_top" (see answer_epoch_top_locally)
+        self._answering: str | None = "setup" if skip_setup else None
+
+    @property
+    def _local(self) -> str | None:
+        return self._answering
+
+    def _gloo(self) -> dist.ProcessGroup | None:
+        return self._collective.group
+
+    def started(self) -> None:
+        """The Session joined the job: set-up is over, collectives are real from now on."""
+        if self._answering == "setup":
+            self._answering = None
+        for group in [self, *(ref() for ref in self._subgroups)]:
+            if group is not None:
+                group._setup_over()
+
+    def answer_epoch_top_locally(self, active: bool) -> None:
+        """While ``active``: this rank runs again the top of an epoch whose steps it was
+        restored into (a replacement that joined mid-epoch, or every rank re-entering the
+        epoch whose evaluation a peer died in), up to where the restored pass of its loader
+        resumes. The ranks it joins ran that code before the fault, so its collectives
+        (a ``barrier``, an ``all_reduce`` of a count) are answered locally, as set-up
+        collectives are; a collective sent to the group would meet another rank's step."""
+        if active and self._answering is None:
+            self._answering = "epoch_top"
+        elif not active and self._answering == "epoch_top":
+            self._answering = None
+
+    def monitored_barrier(self, *args: Any) -> None:
+        group = self._collective.group
+        if group is not None and self._answering is None:
+            getattr(group, "monitored_barrier")(*args)   # gloo's own, not in the stubs
+
+    def new_group(self, ranks: list[int], timeout: datetime.timedelta | None = None,
+                  pg_options: Any = None, group_name: str = "", group_desc: str = "",
+                  ) -> SubGroup | None:
+        """torch's ``new_group`` (and ``new_subgroups``, a DeviceMesh's dimensions) over this
+        group: a ``SubGroup`` for a member of ``ranks``, None for any other rank. Nothing
+        is exchanged here (torch delegates the whole creation to a default group that has
+        this method), so a replacement running its set-up again makes it alone."""
+        if self._collective.rank not in ranks:
+            return None
+        group = SubGroup(self, list(ranks), group_name or f"sub{next(_subgroups)}", timeout)
+        if self._setup.open:
+            self._subgroups.append(weakref.ref(group))
+        else:            # made after set-up: nothing of it to keep
+            group._setup_over()
+        return group
+
+
+_subgroups = itertools.count()
+
+
+class SubGroup(_Forwarding):
+    """A group of some ranks of the job made by the script (``dist.new_group``), re-formed
+    like the default group: its collectives run on a gloo group of these ranks formed for
+    the current generation at its first collective there (on a fresh prefix of the
+    launcher's store), are answered locally while the default group's are, and fail or
+    complete as no-ops as the default group's do. A gloo group made by torch itself would
+    keep the lost rank's connections for good, and a replacement's ``new_group`` would
+    wait for ranks that made theirs long ago."""
+
+    _what = "group made by new_group"
+
+    def __init__(self, parent: DefaultGroup, ranks: list[int], name: str,
+                 timeout: datetime.timedelta | None) -> None:
+        collective = parent._collective
+        super().__init__(collective, ranks.index(collective.rank), len(ranks), name)
+        self._parent = parent
+        self._ranks = ranks
+        self._name = name
+        self._timeout_s = timeout.total_seconds() if timeout else collective.timeout_s
+        self._formed: tuple[int, dist.ProcessGroup] | None = None
+
+    @property
+    def ranks(self) -> list[int]:
+        """The job ranks in this group, in group-rank order."""
+        return list(self._ranks)
+
+    @property
+    def _local(self) -> str | None:
+        return self._parent._local
+
+    def _gloo(self) -> dist.ProcessGroup | None:
+        collective = self._collective
+        generation = collective.generation
+        if self._formed is not None and self._formed[0] == generation:
+            return self._formed[1]
+        if self._formed is not None:
+            collective.park(self._formed[1])
+            self._formed = None
+        try:
+            group = collective.form_subgroup(f"sub/{self._name}", self.rank(), self.size(),
+                                             self._timeout_s)
+        except CollectiveAborted as exc:
+            collective.mark_fault(f"group {self._name} of ranks {self._ranks} did not form: "
+                                  f"{exc}")
+            return None
+        self._formed = (generation, group)
+        return group
+
+
 def _forwarder(name: str, noop_at: int, exposed: str = "") -> Callable[..., dist.Work]:
-    def op(self: DefaultGroup, *args: Any, **kwargs: Any) -> dist.Work:
+    def op(self: _Forwarding, *args: Any, **kwargs: Any) -> dist.Work:
         return self._forward(name, noop_at, *args, *kwargs.values())
     op.__name__ = exposed or name
     return op
 
 
 for _name, _at in _OPS.items():
-    setattr(DefaultGroup, _name, _forwarder(_name, _at))
+    setattr(_Forwarding, _name, _forwarder(_name, _at))
 for _name, _gloo in _SINGLE.items():
-    setattr(DefaultGroup, _name, _forwarder(_gloo, _OPS[_gloo], _name))
+    setattr(_Forwarding, _name, _forwarder(_gloo, _OPS[_gloo], _name))
 
 
 def _as_if_alone(name: str, args: tuple, noop: Any) -> Any:
@@ -362,7 +478,7 @@ def _patch_ddp() -> None:
     @functools.wraps(original)
     def _pre_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         group = getattr(self, "process_group", None)
-        if (not isinstance(group, DefaultGroup) or not group.fault_tolerant
+        if (not isinstance(group, _Forwarding) or not group.fault_tolerant
                 or self.static_graph or self.find_unused_parameters
                 or self._use_python_reducer):
             return original(self, *args, **kwargs)    # DDP as under torchrun

@@ -32,14 +32,16 @@ def connect_store_at(host: str, port: int, timeout_s: float) -> dist.Store:
 
 
 def form_group(store: dist.Store, generation: int, rank: int, world_size: int,
-               timeout_s: float) -> dist.ProcessGroup:
-    """Build generation ``generation``'s gloo group; blocks until every rank joined."""
+               timeout_s: float, name: str = "") -> dist.ProcessGroup:
+    """Build generation ``generation``'s gloo group (``name``: a group of some of its ranks,
+    ``rank`` and ``world_size`` then within it); blocks until every rank joined."""
     started = time.monotonic()
-    prefixed = dist.PrefixStore(f"gen{generation}/", store)
+    prefixed = dist.PrefixStore(f"gen{generation}/" + (f"{name}/" if name else ""), store)
     group = dist.ProcessGroupGloo(prefixed, rank, world_size,
                                   datetime.timedelta(seconds=timeout_s))
-    log.info("event=group_formed generation=%d rank=%d world=%d seconds=%.3f",
-             generation, rank, world_size, time.monotonic() - started)
+    log.info("event=group_formed generation=%d rank=%d world=%d seconds=%.3f%s",
+             generation, rank, world_size, time.monotonic() - started,
+             f" group={name}" if name else "")
     # torch's stubs type ProcessGroupGloo as a Backend without the collectives it binds
     # (allreduce); it is used only through the ProcessGroup calls it has.
     return cast(dist.ProcessGroup, group)

@@ -237,3 +237,109 @@ def test_ddp_on_a_fault_tolerant_group_gets_a_layout_every_rank_computes_alone()
         assert seen["grad_error"] < 1e-5      # gradients averaged over both ranks
         assert seen["hooked"] == [seen["reference"], len(seen["reference"])]   # kept its hook
     assert results[0]["layouts"] == results[1]["layouts"]
+
+
+def _subgroups(rank: Rank) -> dict:
+    """Groups the script makes with ``new_group`` over the default group: one of both
+    ranks and one of rank 0 alone, used in two generations through the same objects."""
+    collective, group = formed(rank)
+    pair = group.new_group([0, 1], group_name="pair")
+    alone = group.new_group([0], group_name="alone")
+    seen: dict = {"alone": None if alone is None else [alone.rank(), alone.size()],
+                  "pair": [pair.rank(), pair.size()]}
+    for generation in (0, 1):
+        if generation:
+            collective.abandon()       # a recovery: the next generation's group forms
+            collective.form(generation)
+        pair.allreduce([summed := torch.tensor([float(rank.rank + 1)])]).wait()
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 1, 0          # the group's rank 1
+        pair.broadcast([sent := torch.tensor([float(rank.rank)])], opts).wait()
+        if alone is not None:
+            alone.allreduce([single := torch.tensor([3.0])]).wait()
+            seen[f"alone{generation}"] = single.item()
+        seen[f"gen{generation}"] = [summed.item(), sent.item()]
+    seen["fault"] = collective.fault
+    return seen
+
+
+@pytest.mark.timeout(90)
+def test_groups_made_by_new_group_are_formed_again_in_each_generation() -> None:
+    """torch delegates ``new_group`` to the default group; the group it makes runs its
+    collectives on a gloo group of its ranks formed for the generation they run in, so the
+    same object keeps working after a re-form; a rank outside it gets none."""
+    rank0, rank1 = on_ranks(_subgroups)
+    assert rank0["pair"] == [0, 2] and rank1["pair"] == [1, 2]
+    assert rank0["alone"] == [0, 1] and rank1["alone"] is None
+    for seen in (rank0, rank1):
+        assert seen["gen0"] == seen["gen1"] == [3.0, 1.0]
+        assert seen["fault"] is None
+    assert rank0["alone0"] == rank0["alone1"] == 3.0
+
+
+def _joining_subgroup(rank: Rank) -> dict:
+    if rank.rank == 0:                    # a survivor: made its group long ago
+        _, group = formed(rank)
+        pair = group.new_group([0, 1], group_name="metrics")
+        pair.allreduce([summed := torch.ones(1)]).wait()
+        return {"summed": summed.item()}
+    _, joining = formed(rank, skip_setup=True)
+    pair = joining.new_group([0, 1], group_name="metrics")   # its set-up: made alone
+    pair.barrier().wait()                                    # answered locally
+    local = pair.answering_locally
+    joining.started()
+    pair.allreduce([summed := torch.ones(1)]).wait()
+    return {"local": local, "summed": summed.item(), "after": pair.answering_locally}
+
+
+@pytest.mark.timeout(90)
+def test_a_joining_rank_makes_its_groups_alone_and_answers_their_set_up_locally() -> None:
+    """A replacement runs its set-up again, ``new_group`` included: nothing is exchanged
+    there (before, a torch gloo group waited for the survivors' long-made ones), its
+    set-up collectives are answered locally as the default group's are, and its first real
+    collective meets the survivor's."""
+    survivor, joining = on_ranks(_joining_subgroup)
+    assert joining["local"] and not joining["after"]
+    assert survivor["summed"] == joining["summed"] == 2.0
+
+
+def _setup_replayed(rank: Rank) -> dict:
+    """Generation 0: both ranks run a set-up (a seed broadcast from rank 0, an all-gather)
+    and start their Sessions. Then rank 1 is replaced: the new process's set-up gets what
+    the lost rank's got, call by call; a call with no record, or with other shapes, is
+    answered as if alone."""
+    collective, group = formed(rank)
+    seed = torch.tensor([1234 if rank.rank == 0 else 0], dtype=torch.int64)
+    group.broadcast([seed]).wait()
+    gathered = [torch.zeros(2) for _ in range(2)]
+    group.allgather([gathered], [torch.full((2,), 10.0 + rank.rank)]).wait()
+    seed += 1                               # the script's own use after the call
+    group.barrier().wait()
+    group.started()                         # the Session started: set-up is kept
+    store = rank.connect()
+    rank.meet("kept", store)
+    if rank.rank == 0:
+        return {}
+    replacement = Collective(rank.connect, rank=1, world_size=2, timeout_s=20.0)
+    joining = DefaultGroup(replacement, skip_setup=True)   # not formed: nobody to meet
+    rank.keep(replacement, joining)
+    again = torch.zeros(1, dtype=torch.int64)
+    joining.broadcast([again]).wait()
+    regathered = [torch.zeros(2) for _ in range(2)]
+    joining.allgather([regathered], [torch.full((2,), 99.0)]).wait()
+    joining.barrier().wait()
+    unrecorded = [torch.zeros(3) for _ in range(2)]
+    joining.allgather([unrecorded], [torch.full((3,), 5.0)]).wait()
+    return {"seed": again.tolist(), "gathered": [g.tolist() for g in regathered],
+            "unrecorded": [g.tolist() for g in unrecorded]}
+
+
+@pytest.mark.timeout(90)
+def test_a_replacement_gets_what_the_lost_ranks_set_up_collectives_returned() -> None:
+    """Before, a replacement's set-up collectives were all answered as if alone: a seed
+    broadcast from rank 0 stayed the replacement's own, and ``broadcast_object_list``
+    unpickled an unset buffer (EOFError)."""
+    _, replaced = on_ranks(_setup_replayed)
+    assert replaced["seed"] == [1234]                     # rank 0's, as the call returned it
+    assert replaced["gathered"] == [[10.0, 10.0], [11.0, 11.0]]
+    assert replaced["unrecorded"] == [[5.0] * 3, [5.0] * 3]   # no such call: as if alone

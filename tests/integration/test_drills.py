@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,7 +85,7 @@ def seed_reference(run_root: Path, *overrides: str) -> None:
 # with a BatchNorm model whose buffers DDP broadcasts (one shared fault-free reference);
 # the others on the demo. Plain DDP through a fault: tests/integration/test_default_group_job.py.
 DDP_ARGV = ('["--epochs", "3", "--sleep", "0.05", "--batchnorm", "--eval-first", '
-            '"--epoch-barrier"]')
+            '"--epoch-barrier", "--run-name", "--eval-group"]')
 ON_DDP = {"kill_worker": DDP_ARGV, "kill_node": DDP_ARGV, "hang_worker": DDP_ARGV,
           "tier_fallback": DDP_ARGV}
 
@@ -150,17 +151,23 @@ def check_kill_worker(run: Run) -> None:
 
 def ddp_group_reformed_in_place(run: Run, replaced: set[int]) -> None:
     """The DDP script's survivors discarded the step whose buckets failed and re-formed
-    the default group in their own process; the spare skipped the set-up collectives of
-    its DDP construction and of its epoch's top (the survivors passed them long ago)."""
+    the default group, and the group their evaluation made with ``dist.new_group``, in
+    their own process; the spare's set-up collectives (DDP's construction, the run name
+    rank 0 broadcast) returned what the lost rank's had, and it skipped the collectives of
+    its epoch's top (the survivors passed them long ago)."""
     logs = run.logs()
+    (name,) = set(re.findall(r"^rank 0 run name (\S+)$", logs["rank_0_w0-g0"], re.M))
     for rank in set(range(4)) - replaced:
         log = logs[f"rank_{rank}_w{rank}-g0"]
         assert "event=rank_rejoined" in log and "event=default_group_fault" in log, rank
         assert "optimizer step refused" in log or "event=step_failed_after_fault" in log \
             or "event=collective_aborted" in log, rank
+        assert re.search(r"event=group_formed generation=[1-9].* group=sub/", log), rank
     for rank in replaced:
         (spare,) = [text for name, text in logs.items() if name.startswith(f"rank_{rank}_spare")]
-        assert "event=setup_collective_skipped op=broadcast" in spare
+        assert "event=setup_collective_replayed op=broadcast" in spare
+        assert f"rank {rank} run name {name}\n" in spare          # rank 0's, long since
+        assert "EOFError" not in spare
         # it joined mid-epoch: the epoch's top (the script's evaluation, barrier and
         # all-reduce), which the survivors ran before the fault, answered locally, and the
         # RNG draws of its evaluation's loader undone where the restored pass resumed

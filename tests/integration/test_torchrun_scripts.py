@@ -79,7 +79,7 @@ def test_an_unchanged_torchrun_script_ends_as_under_torchrun(tmp_path: Path) -> 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    script_args = ["--samples", "256", "--workers", "2"]
+    script_args = ["--samples", "256", "--workers", "2", "--run-name", "--eval-group"]
     # under phalanx the rendezvous spelled out as tcp://MASTER_ADDR:MASTER_PORT, as scripts
     # derived from PyTorch's ImageNet example do: the launcher's store serves the group as
     # with env:// (the script's own TCP rendezvous on the launcher's port trained, then
@@ -113,6 +113,11 @@ def test_an_unchanged_torchrun_script_ends_as_under_torchrun(tmp_path: Path) -> 
     assert "no rank of job train ran a phalanx.Session" in " ".join(launched.stderr.split())
     logs = "".join(p.read_text() for p in (tmp_path / "runs").glob("*/logs/rank_*.log"))
     assert logs.count("event=init_method_replaced init_method=tcp://") == 4
+    # the run name rank 0 broadcast reached every rank; the evaluation's all-reduce ran on
+    # the group the script made with dist.new_group, formed on each of the 4 ranks
+    assert len(re.findall(r"^rank \d run name (\S+)$", logs, re.M)) == 4
+    assert len(set(re.findall(r"^rank \d run name (\S+)$", logs, re.M))) == 1
+    assert logs.count("group=sub/") == 4
 
 
 @pytest.mark.timeout(240)
