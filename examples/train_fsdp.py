@@ -7,6 +7,9 @@ same script runs under torchrun (the Session then snapshots nothing):
     phalanx run --nnodes 2 --spares 1 examples/train_fsdp.py --steps 40 --out /tmp/fsdp
     phalanx drill run configs/drills/fsdp_kill_worker.yaml --config configs/fsdp.yaml --verify
 
+With ``--replicate N`` the mesh is 2-D (HSDP): parameters are sharded within groups of
+world/N ranks and replicated across N such groups.
+
 Each rank's snapshot holds its local shards with their placement metadata
 (runtime/snapshot/dtensor.py); a replacement rank restores them into its own shards.
 Writes ``OUT.rank<r>``: the sha256 of the rank's final local shards (docs/porting.md).
@@ -65,6 +68,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replicate", type=int, default=1,
+                        help="HSDP: shard within groups of world/REPLICATE ranks, replicate "
+                             "across REPLICATE such groups (a 2-D mesh)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--out", default="", help="write the final hash to OUT.rank<r>")
     return parser.parse_args()
@@ -75,7 +81,11 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    if args.replicate > 1:      # HSDP: the mesh's dimensions are groups made by new_group
+        mesh = init_device_mesh("cpu", (args.replicate, world // args.replicate),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     torch.manual_seed(args.seed)                # every rank builds the same full model
     model = MLP(args.width, args.depth)
     for layer in model.layers:
