@@ -7,14 +7,18 @@ its receive buffer unset and the replacement failed in ``pickle.loads`` (EOFErro
 broadcast seed stayed the replacement's own.
 
 Each call is numbered in the order the group saw it (the replacement runs the same
-set-up, so its n-th call is the lost rank's n-th) and kept as raw tensor bytes under a
-JSON header of dtypes and shapes: no pickle (what the bytes mean is torch's business, as
-when gloo carried them). Calls larger than ``CALL_LIMIT`` (DDP's broadcast of the model,
-whose state the snapshot restores anyway) and anything past ``RANK_LIMIT`` are not kept;
-a call with no record, or one whose tensors differ from the record's, is answered as if
-alone, as before."""
+set-up, so its n-th call is the lost rank's n-th) and kept as a JSON record of its
+tensors' dtypes and shapes naming a blob of their raw bytes by its sha256: no pickle
+(what the bytes mean is torch's business, as when gloo carried them), and one copy of a
+result every rank got alike (a broadcast, an all-gather) however many ranks keep it.
+An object collective's payload (``uint8``: a vocabulary, an index list rank 0 built) is
+kept up to ``OBJECT_LIMIT``; other calls up to ``CALL_LIMIT`` (DDP's broadcast of the
+model, whose state the snapshot restores anyway, is not kept); ``RANK_LIMIT`` bounds a
+rank's whole set-up. A call with no record, or one whose tensors differ from the
+record's, is answered as if alone, as before."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -24,9 +28,11 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
-CALL_LIMIT = 1 << 20      # bytes of one call's results kept
-RANK_LIMIT = 4 << 20      # bytes kept per rank and group
+CALL_LIMIT = 1 << 20      # bytes of one call's results kept (other than object payloads)
+OBJECT_LIMIT = 64 << 20   # bytes of one object collective's payload kept
+RANK_LIMIT = 128 << 20    # bytes kept per rank and group
 KEY = "phalanx-setup/{group}/{rank}/{call}"
+BLOB = "phalanx-setup/blob/{digest}"
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -38,27 +44,35 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def encode(tensors: list[torch.Tensor]) -> bytes:
-    """A JSON line of each tensor's dtype and shape, then their bytes."""
-    header = json.dumps({"tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)]
-                                     for t in tensors]}).encode()
-    return b"\n".join([header, b"".join(t.detach().contiguous().reshape(-1)
-                                         .view(torch.uint8).numpy().tobytes()
-                                         for t in tensors)])
+def _layout(tensors: list[torch.Tensor]) -> list[list[Any]]:
+    return [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
 
 
-def decode_into(data: bytes, tensors: list[torch.Tensor]) -> bool:
-    """Copy the recorded values into ``tensors``; False (nothing copied) when the record's
-    dtypes and shapes are not theirs."""
-    header, _, payload = data.partition(b"\n")
+def encode(tensors: list[torch.Tensor]) -> tuple[bytes, str, bytes]:
+    """A call's record (its tensors' dtypes and shapes, and its blob's name), the blob's
+    name (the sha256 of its bytes) and the blob: the tensors' bytes, concatenated."""
+    blob = b"".join(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                    for t in tensors)
+    digest = hashlib.sha256(blob).hexdigest()
+    return json.dumps({"tensors": _layout(tensors), "blob": digest}).encode(), digest, blob
+
+
+def decode_into(record: bytes, blob: Callable[[str], bytes | None],
+                tensors: list[torch.Tensor]) -> bool:
+    """Copy a call's recorded values (``blob(name)`` fetches its bytes) into ``tensors``;
+    False (nothing copied) when the record's dtypes and shapes are not theirs or its blob
+    is missing or altered."""
     try:
-        kept = json.loads(header)["tensors"]
+        kept = json.loads(record)
+        layout, digest = kept["tensors"], str(kept["blob"])
     except (ValueError, KeyError, TypeError):
         return False
-    if kept != [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]:
+    if layout != _layout(tensors):
         return False
+    payload = blob(digest)
     sizes = [t.numel() * t.element_size() for t in tensors]
-    if sum(sizes) != len(payload):
+    if payload is None or sum(sizes) != len(payload) \
+            or hashlib.sha256(payload).hexdigest() != digest:
         return False
     offset = 0
     for tensor, size in zip(tensors, sizes):
@@ -77,7 +91,7 @@ class SetupRecord:
         self._group = group
         self._rank = rank
         self._calls = itertools.count()
-        self._held: dict[int, bytes] = {}
+        self._held: dict[int, tuple[bytes, str, bytes]] = {}
         self._bytes = 0
         self.open = True         # set-up still runs: calls are numbered
 
@@ -89,10 +103,11 @@ class SetupRecord:
         """Call ``call`` completed with ``result`` (its result argument, read now: the
         script may change the tensors later)."""
         tensors = tensors_in(result)
-        size = sum(t.numel() * t.element_size() for t in tensors)
         if not tensors:
             return
-        if size > CALL_LIMIT or self._bytes + size > RANK_LIMIT:
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        objects = all(t.dtype == torch.uint8 for t in tensors)
+        if size > (OBJECT_LIMIT if objects else CALL_LIMIT) or self._bytes + size > RANK_LIMIT:
             log.info("event=setup_collective_not_kept group=%s rank=%d call=%d bytes=%d",
                      self._group, self._rank, call, size)
             return
@@ -108,12 +123,17 @@ class SetupRecord:
         if not held:
             return
         store = self._store()
-        for call, data in held.items():
-            # bytes, not the stubs' str: the binding takes both
+        blobs = {digest: blob for _, digest, blob in held.values()}
+        # bytes, not the stubs' str: the binding takes both
+        for digest, blob in blobs.items():
+            key = BLOB.format(digest=digest)
+            if not store.check([key]):          # another rank kept the same result
+                store.set(key, blob)  # type: ignore[arg-type]
+        for call, (record, _, _) in held.items():
             store.set(KEY.format(group=self._group, rank=self._rank, call=call),
-                      data)  # type: ignore[arg-type]
+                      record)  # type: ignore[arg-type]
         log.info("event=setup_collectives_kept group=%s rank=%d calls=%d bytes=%d",
-                 self._group, self._rank, len(held), sum(len(d) for d in held.values()))
+                 self._group, self._rank, len(held), sum(len(b) for b in blobs.values()))
 
     def replay(self, call: int | None, result: Any) -> bool:
         """Fill ``result`` with what the lost rank's call ``call`` returned; False when
@@ -125,9 +145,9 @@ class SetupRecord:
         store = self._store()
         if not store.check([key]):
             return False
-        return decode_into(store.get(key), tensors)
 
-    def close(self) -> None:
-        """Set-up is over on a rank that replayed (nothing to publish)."""
-        self.open = False
-        self._held = {}
+        def blob(digest: str) -> bytes | None:
+            name = BLOB.format(digest=digest)
+            return store.get(name) if store.check([name]) else None
+
+        return decode_into(store.get(key), blob, tensors)
