@@ -104,35 +104,13 @@ class Collective:
         if world_size is not None:
             self._world_size = world_size
         self.abandon()
-        built: dict[str, Any] = {}
-
-        def build() -> None:
-            try:
-                built["group"] = form_group(self._store, generation, self._rank,
-                                            self._world_size, self._timeout_s)
-            except Exception as exc:  # the thread's boundary: becomes CollectiveAborted
-                built["error"] = exc
-            if "group" in built and built.get("abandoned"):
-                self._parked.append(built["group"])   # formed too late: reaped later
-
         if self._forming is not None and self._forming.is_alive():
             self._store = self._connect()
-        thread = threading.Thread(target=build, name=f"phalanx-form-gen{generation}",
-                                  daemon=True)
-        self._forming = thread
-        thread.start()
-        pause = 0.0005
-        while thread.is_alive():
-            if should_abort():
-                built["abandoned"] = True
-                raise CollectiveAborted(f"a newer generation began while generation "
-                                        f"{generation}'s group was forming")
-            thread.join(pause)
-            pause = min(pause * 2, 0.02)
-        if "error" in built:
-            raise CollectiveAborted(f"generation {generation}'s group did not form: "
-                                    f"{_whole(built['error'])}")
-        self._group = built["group"]
+        store = self._store
+        self._group = self._watched(
+            lambda: form_group(store, generation, self._rank, self._world_size,
+                               self._timeout_s),
+            should_abort, f"generation {generation}'s group", track=True)
         self.generation = generation
         self.fault = None
         self._release_parked()
@@ -145,30 +123,41 @@ class Collective:
         before it came raises ``CollectiveAborted`` when the recovery is announced, not
         after the group timeout. Raises ``CollectiveAborted`` when it did not form."""
         generation = self.generation
+        return self._watched(
+            lambda: form_group(self._connect(), generation, rank, size, timeout_s, name),
+            lambda: self.absorb_faults and self.superseded(),
+            f"{name} of generation {generation}")
+
+    def _watched(self, build: Callable[[], dist.ProcessGroup], should_abort: Callable[[], bool],
+                 what: str, track: bool = False) -> dist.ProcessGroup:
+        """``build()`` (a gloo group's rendezvous) on a helper thread while this one polls
+        ``should_abort``: raises ``CollectiveAborted`` when it turns true (the half-built
+        group is parked, like an abandoned collective, once it forms) or when the build
+        failed. ``track``: the thread is the one a next ``form`` looks at (its store client
+        may be blocked in it)."""
         built: dict[str, Any] = {}
 
-        def build() -> None:
+        def run() -> None:
             try:
-                built["group"] = form_group(self._connect(), generation, rank, size,
-                                            timeout_s, name)
+                built["group"] = build()
             except Exception as exc:  # the thread's boundary: becomes CollectiveAborted
                 built["error"] = exc
             if "group" in built and built.get("abandoned"):
                 self._parked.append(built["group"])   # formed too late: reaped later
 
-        thread = threading.Thread(target=build, name=f"phalanx-form-{name}-gen{generation}",
-                                  daemon=True)
+        thread = threading.Thread(target=run, name=f"phalanx-form {what}", daemon=True)
+        if track:
+            self._forming = thread
         thread.start()
         pause = 0.0005
         while thread.is_alive():
-            if self.absorb_faults and self.superseded():
+            if should_abort():
                 built["abandoned"] = True
-                raise CollectiveAborted(f"a newer generation began while {name} of "
-                                        f"generation {generation} was forming")
+                raise CollectiveAborted(f"a newer generation began while {what} was forming")
             thread.join(pause)
             pause = min(pause * 2, 0.02)
         if "error" in built:
-            raise CollectiveAborted(f"{_whole(built['error'])}")
+            raise CollectiveAborted(f"{what} did not form: {_whole(built['error'])}")
         return built["group"]
 
     def park(self, group: dist.ProcessGroup) -> None:

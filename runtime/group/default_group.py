@@ -12,11 +12,16 @@ refuses the optimizer step that would apply them and rolls the step back
 (``Session.step``). Without a Session (an unmodified torchrun script) a failed collective
 raises, as plain gloo does.
 
-A rank that joins survivors (a promoted spare, a restarted worker) skips the collectives
-its script issues before its Session has started: the survivors passed that set-up long
-ago (DDP's construction-time broadcast, a ``barrier`` after data preparation), and the
-state they would have synchronised is restored from the snapshot instead. Each skipped
-call is logged (``event=setup_collective_skipped``).
+A rank that joins survivors (a promoted spare, a restarted worker) does not send the
+collectives its script issues before its Session has started: the survivors passed that
+set-up long ago (DDP's construction-time broadcast, a ``barrier`` after data preparation,
+a run name rank 0 broadcast). Each returns what the lost rank's same call returned
+(``SetupRecord``; ``event=setup_collective_replayed``) or, with no record of it, is
+answered as if the rank were alone (``event=setup_collective_skipped``): state it would
+have synchronised is restored from the snapshot.
+
+Groups the script makes with ``dist.new_group`` (torch hands their creation to this
+group) are ``SubGroup``s, re-formed per generation like this one.
 """
 from __future__ import annotations
 
@@ -115,6 +120,8 @@ class _Forwarding(dist.ProcessGroup):
     rank is in (``_gloo``), answered locally while ``_local`` says so, and completed as
     no-ops when they fail or a newer generation supersedes them under a Session."""
 
+    _what = "default group"     # in errors
+
     def __init__(self, collective: Collective, rank: int, size: int, name: str) -> None:
         # the (rank, size) constructor of a Python-defined group; the stubs list only the
         # store-taking one
@@ -203,8 +210,6 @@ class _Forwarding(dist.ProcessGroup):
         if self._collective.absorb_faults:
             return _done(noop)
         raise CollectiveAborted(f"{name} on the {self._what}: {reason}")
-
-    _what = "default group"
 
     def _settle(self, token: int, name: str, inner: Future) -> None:
         with self._lock:
@@ -303,7 +308,7 @@ class DefaultGroup(_Forwarding):
         this method), so a replacement running its set-up again makes it alone."""
         if self._collective.rank not in ranks:
             return None
-        group = SubGroup(self, list(ranks), group_name or f"sub{next(_subgroups)}", timeout)
+        group = SubGroup(self, list(ranks), group_name or f"unnamed{next(_unnamed)}", timeout)
         if self._setup.open:
             self._subgroups.append(weakref.ref(group))
         else:            # made after set-up: nothing of it to keep
@@ -311,7 +316,7 @@ class DefaultGroup(_Forwarding):
         return group
 
 
-_subgroups = itertools.count()
+_unnamed = itertools.count()     # names of groups torch gave none
 
 
 class SubGroup(_Forwarding):
@@ -336,11 +341,6 @@ class SubGroup(_Forwarding):
         self._formed: tuple[int, dist.ProcessGroup] | None = None
 
     @property
-    def ranks(self) -> list[int]:
-        """The job ranks in this group, in group-rank order."""
-        return list(self._ranks)
-
-    @property
     def _local(self) -> str | None:
         return self._parent._local
 
@@ -356,8 +356,7 @@ class SubGroup(_Forwarding):
             group = collective.form_subgroup(f"sub/{self._name}", self.rank(), self.size(),
                                              self._timeout_s)
         except CollectiveAborted as exc:
-            collective.mark_fault(f"group {self._name} of ranks {self._ranks} did not form: "
-                                  f"{exc}")
+            collective.mark_fault(f"the group of ranks {self._ranks}: {exc}")
             return None
         self._formed = (generation, group)
         return group
