@@ -33,6 +33,7 @@ restored RNG state is exactly the one captured at the restored step.
 """
 from __future__ import annotations
 
+import builtins
 import hashlib
 import itertools
 import logging
@@ -317,6 +318,7 @@ class _ResumingIterator:
         self._inner = position.begin_pass()
         self._pass = position.passes
         self._restores = position.restores
+        self.index = -1        # the last batch's place in its pass (``_BatchesEnumerated``)
 
     def __iter__(self) -> "_ResumingIterator":
         return self
@@ -344,6 +346,7 @@ class _ResumingIterator:
                 if position.defer_switch(self._pass):
                     batch = next(self._inner)            # this pass goes on
                     position.yielded += 1
+                    self.index = position.yielded - 1
                     return batch
                 if position.switch_to_restored(self._pass):      # nothing of it left
                     raise StopIteration
@@ -351,7 +354,49 @@ class _ResumingIterator:
             self._pass = position.passes
         batch = next(self._inner)
         position.yielded += 1
+        self.index = position.yielded - 1
         return batch
+
+
+_ENUMERATE = builtins.enumerate
+
+
+class _Enumerates(type):
+    """``isinstance(x, enumerate)`` and ``issubclass`` keep answering for every
+    ``enumerate`` object once ``_BatchesEnumerated`` stands in for the builtin."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _ENUMERATE)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _ENUMERATE)
+
+
+class _BatchesEnumerated(_ENUMERATE, metaclass=_Enumerates):
+    """``builtins.enumerate`` in a process with a registered loader. Over a registered
+    loader (or its iterator) each batch is numbered by its place in its pass, not by how
+    many this loop saw: a replacement's loop resumes mid-pass and a survivor's redoes the
+    batch of the step in flight, and a loop that breaks at ``i == limit`` or steps its
+    optimizer when ``(i + 1) % accumulation == 0`` must see the numbers of the run without
+    the fault (counted from 0 at the resumed batch, a spare ran more batches of the epoch
+    than the survivors: mismatched collectives, then other parameters). Over anything
+    else it is the builtin's own object. torch.compile traces through it
+    (``fullgraph=True`` included)."""
+
+    _batches: "_ResumingIterator"
+    _start: int
+
+    def __new__(cls, iterable: Any, start: int = 0) -> Any:
+        inner = iter(iterable)
+        if not isinstance(inner, _ResumingIterator):
+            return _ENUMERATE(inner, start)
+        self = super().__new__(cls, inner, start)
+        self._batches, self._start = inner, start
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        batch = next(self._batches)
+        return self._start + self._batches.index, batch
 
 
 def _make_resumable(loader: DataLoader, position: LoaderPosition) -> None:
@@ -368,6 +413,7 @@ def _make_resumable(loader: DataLoader, position: LoaderPosition) -> None:
         _CLASSES[cls] = sub
     object.__setattr__(loader, "_phalanx_position", position)
     object.__setattr__(loader, "__class__", sub)
+    builtins.enumerate = _BatchesEnumerated     # type: ignore[misc]
 
 
 class _SkippingSampler:

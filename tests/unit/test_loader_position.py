@@ -296,3 +296,73 @@ def test_a_dropped_loader_is_freed_at_once_though_its_session_is_in_a_cycle() ->
     assert all(w.exitcode == 0 for w in workers)      # shut down, not killed
     with pytest.raises(StateNotCapturable, match="keep it"):
         session.position.state_dict()
+
+
+def train_enumerated(kind: str, rollback: tuple[int, int] | None = None,
+                     replace: tuple[int, int] | None = None, limit: int = 7,
+                     epochs: int = 2) -> list[tuple[int, int, list]]:
+    """An epoch loop numbering its batches with ``enumerate(loader)`` and leaving each
+    epoch after ``limit`` batches (``if i >= limit: break``), as (epoch, i, batch).
+    ``rollback`` (at, to): a survivor's live loop restores the state captured after step
+    ``to`` (it redoes a batch); ``replace`` (at, to): a new process takes over from the
+    state captured after step ``to`` and enters that epoch again (a promoted spare)."""
+    torch.manual_seed(0)
+    seen: list[tuple[int, int, int, list]] = []
+    captured: dict[int, Any] = {}
+    step = epoch = 0
+    while True:
+        loader = make(kind)
+        box = {"epoch": epoch}
+        position = LoaderPosition(loader, lambda: None, lambda: box["epoch"])
+        if step:                                   # the replacement restores first
+            state, rng, epoch = captured[step]
+            position.load_state_dict(copy.deepcopy(state))
+            torch.set_rng_state(rng)
+        replaced = False
+        while epoch < epochs and not replaced:
+            box["epoch"] = epoch
+            if kind.startswith("distributed-"):
+                loader.sampler.set_epoch(epoch)
+            for i, batch in enumerate(loader):
+                if i >= limit:
+                    break
+                seen.append((step, epoch, i, batch.tolist()))
+                step += 1
+                captured[step] = (copy.deepcopy(position.state_dict()), torch.get_rng_state(),
+                                  epoch)
+                if rollback is not None and step == rollback[0]:
+                    state, rng, _ = captured[rollback[1]]
+                    rollback, step = None, rollback[1]
+                    position.load_state_dict(copy.deepcopy(state))
+                    torch.set_rng_state(rng)
+                    seen = [s for s in seen if s[0] < step]
+                if replace is not None and step == replace[0]:
+                    replace, step, replaced = None, replace[1], True
+                    seen = [s for s in seen if s[0] < step]
+                    break
+            else:
+                epoch += 1
+                continue
+            if not replaced:
+                epoch += 1
+        if not replaced:
+            return [s[1:] for s in seen]
+
+
+@pytest.mark.parametrize("kind", ["random-workers", "distributed-persistent",
+                                  "stateful-workers"])
+def test_enumerate_numbers_a_resumed_passs_batches_by_their_place_in_it(kind: str) -> None:
+    """A loop that leaves each epoch at ``i == 7`` (or steps its optimizer every k-th
+    ``i``): a replacement resumes mid-pass and a survivor redoes a batch, and both number
+    each batch as the run without the fault did (before, the replacement counted from 0
+    at its resumed batch, ran more of the epoch than the survivors and the job ended with
+    other parameters)."""
+    reference = train_enumerated(kind)
+    per_epoch = min(7, 5 if kind.startswith("distributed-") else 10)
+    assert [i for _, i, _ in reference] == list(range(per_epoch)) * 2
+    assert train_enumerated(kind, replace=(per_epoch + 4, per_epoch + 2)) == reference
+    assert train_enumerated(kind, replace=(3, 2)) == reference
+    assert train_enumerated(kind, rollback=(per_epoch + 3, per_epoch + 2)) == reference
+    # the builtin stands in everywhere else, and stays what isinstance knows
+    assert isinstance(enumerate([1]), enumerate) and list(enumerate("ab", 1)) == [(1, "a"),
+                                                                                 (2, "b")]
