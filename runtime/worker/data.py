@@ -375,7 +375,8 @@ class _Enumerates(type):
 class _BatchesEnumerated(_ENUMERATE, metaclass=_Enumerates):
     """``builtins.enumerate`` in a process with a registered loader. Over a registered
     loader (or its iterator) each batch is numbered by its place in its pass, not by how
-    many this loop saw: a replacement's loop resumes mid-pass and a survivor's redoes the
+    many this loop saw (also through a wrapper that keeps the loader as ``.iterable``, as
+    tqdm does): a replacement's loop resumes mid-pass and a survivor's redoes the
     batch of the step in flight, and a loop that breaks at ``i == limit`` or steps its
     optimizer when ``(i + 1) % accumulation == 0`` must see the numbers of the run without
     the fault (counted from 0 at the resumed batch, a spare ran more batches of the epoch
@@ -383,20 +384,34 @@ class _BatchesEnumerated(_ENUMERATE, metaclass=_Enumerates):
     else it is the builtin's own object. torch.compile traces through it
     (``fullgraph=True`` included)."""
 
-    _batches: "_ResumingIterator"
+    _batches: Iterator[Any]
+    _index: Callable[[], int]
     _start: int
 
     def __new__(cls, iterable: Any, start: int = 0) -> Any:
         inner = iter(iterable)
-        if not isinstance(inner, _ResumingIterator):
-            return _ENUMERATE(inner, start)
+        if isinstance(inner, _ResumingIterator):
+            index = _last_index(inner)
+        else:       # a progress bar over a registered loader (tqdm keeps it as .iterable)
+            position = getattr(getattr(iterable, "iterable", None), "_phalanx_position", None)
+            if not isinstance(position, LoaderPosition):
+                return _ENUMERATE(inner, start)
+            index = _yielded_index(position)
         self = super().__new__(cls, inner, start)
-        self._batches, self._start = inner, start
+        self._batches, self._index, self._start = inner, index, start
         return self
 
     def __next__(self) -> tuple[int, Any]:
         batch = next(self._batches)
-        return self._start + self._batches.index, batch
+        return self._start + self._index(), batch
+
+
+def _last_index(batches: _ResumingIterator) -> Callable[[], int]:
+    return lambda: batches.index
+
+
+def _yielded_index(position: LoaderPosition) -> Callable[[], int]:
+    return lambda: position.yielded - 1
 
 
 def _make_resumable(loader: DataLoader, position: LoaderPosition) -> None:

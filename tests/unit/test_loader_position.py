@@ -298,9 +298,19 @@ def test_a_dropped_loader_is_freed_at_once_though_its_session_is_in_a_cycle() ->
         session.position.state_dict()
 
 
+class ProgressBar:
+    """tqdm's shape: keeps what it wraps as ``.iterable`` and yields from it."""
+
+    def __init__(self, iterable: Any) -> None:
+        self.iterable = iterable
+
+    def __iter__(self) -> Any:
+        yield from self.iterable
+
+
 def train_enumerated(kind: str, rollback: tuple[int, int] | None = None,
                      replace: tuple[int, int] | None = None, limit: int = 7,
-                     epochs: int = 2) -> list[tuple[int, int, list]]:
+                     epochs: int = 2, bar: bool = False) -> list[tuple[int, int, list]]:
     """An epoch loop numbering its batches with ``enumerate(loader)`` and leaving each
     epoch after ``limit`` batches (``if i >= limit: break``), as (epoch, i, batch).
     ``rollback`` (at, to): a survivor's live loop restores the state captured after step
@@ -323,7 +333,7 @@ def train_enumerated(kind: str, rollback: tuple[int, int] | None = None,
             box["epoch"] = epoch
             if kind.startswith("distributed-"):
                 loader.sampler.set_epoch(epoch)
-            for i, batch in enumerate(loader):
+            for i, batch in enumerate(ProgressBar(loader) if bar else loader):
                 if i >= limit:
                     break
                 seen.append((step, epoch, i, batch.tolist()))
@@ -363,6 +373,10 @@ def test_enumerate_numbers_a_resumed_passs_batches_by_their_place_in_it(kind: st
     assert train_enumerated(kind, replace=(per_epoch + 4, per_epoch + 2)) == reference
     assert train_enumerated(kind, replace=(3, 2)) == reference
     assert train_enumerated(kind, rollback=(per_epoch + 3, per_epoch + 2)) == reference
+    # through a progress bar (tqdm keeps the loader as .iterable)
+    assert train_enumerated(kind, replace=(per_epoch + 4, per_epoch + 2), bar=True) == reference
+    assert train_enumerated(kind, rollback=(per_epoch + 3, per_epoch + 2), bar=True) \
+        == reference
     # the builtin stands in everywhere else, and stays what isinstance knows
     assert isinstance(enumerate([1]), enumerate) and list(enumerate("ab", 1)) == [(1, "a"),
                                                                                  (2, "b")]
