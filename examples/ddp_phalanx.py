@@ -68,6 +68,8 @@ def parse_args():
                              "(broadcast_object_list), as scripts share a name, seed or config")
     parser.add_argument("--eval-group", action="store_true",
                         help="the evaluation all-reduces over a group made by dist.new_group")
+    parser.add_argument("--max-batches", type=int, default=0,
+                        help="leave each epoch after this many batches (0: all)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--out", default="", help="write the final hash to OUT.rank<r>")
     return parser.parse_args()
@@ -134,7 +136,9 @@ def main():
                 batches = torch.tensor([float(len(loader))])
                 dist.all_reduce(batches)            # the job's batches in this epoch
             batch_size = len(next(iter(loader))[0])     # PyTorch's DDP tutorial peeks a batch
-            for x, y in loader:
+            for i, (x, y) in enumerate(loader):
+                if args.max_batches and i >= args.max_batches:
+                    break
                 with session.step():
                     optimizer.zero_grad()
                     loss = nn.functional.mse_loss(model(x), y)
