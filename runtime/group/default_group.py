@@ -132,6 +132,9 @@ class _Forwarding(dist.ProcessGroup):
         self._pending: dict[int, tuple[Future, Any, int, int | None]] = {}
         self._tokens = itertools.count()
         self._setup = SetupRecord(lambda: collective.store, name, collective.rank)
+        # why collectives are answered locally, if they are: "setup" (a joining rank, until
+        # its Session started) or "epoch_top" (DefaultGroup.answer_epoch_top_locally)
+        self._answering: str | None = None
         collective.on_announced(self._abort_if_superseded)
 
     def getBackendName(self) -> str:  # noqa: N802  (torch's name)
@@ -165,12 +168,14 @@ class _Forwarding(dist.ProcessGroup):
 
     @property
     def _local(self) -> str | None:
-        """Why collectives are answered locally now, if they are."""
-        raise NotImplementedError
+        """Why collectives are answered locally now, if they are (the default group's
+        reason; a ``SubGroup`` reads its parent's)."""
+        return self._answering
 
     def _gloo(self) -> dist.ProcessGroup | None:
-        """This generation's gloo group for these ranks (None: none formed)."""
-        raise NotImplementedError
+        """This generation's gloo group for these ranks (None: none formed); the default
+        group's is the generation's own."""
+        return self._collective.group
 
     @property
     def answering_locally(self) -> bool:
@@ -263,16 +268,7 @@ class DefaultGroup(_Forwarding):
     def __init__(self, collective: Collective, skip_setup: bool) -> None:
         super().__init__(collective, collective.rank, collective.world_size, "world")
         self._subgroups: list[weakref.ref[SubGroup]] = []
-        # why collectives are answered locally, if they are: "setup" (a joining rank, until
-        # its Session started) or "epoch_top" (see answer_epoch_top_locally)
-        self._answering: str | None = "setup" if skip_setup else None
-
-    @property
-    def _local(self) -> str | None:
-        return self._answering
-
-    def _gloo(self) -> dist.ProcessGroup | None:
-        return self._collective.group
+        self._answering = "setup" if skip_setup else None
 
     def started(self) -> None:
         """The Session joined the job: set-up is over, collectives are real from now on."""

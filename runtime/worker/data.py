@@ -318,7 +318,6 @@ class _ResumingIterator:
         self._inner = position.begin_pass()
         self._pass = position.passes
         self._restores = position.restores
-        self.index = -1        # the last batch's place in its pass (``_BatchesEnumerated``)
 
     def __iter__(self) -> "_ResumingIterator":
         return self
@@ -346,7 +345,6 @@ class _ResumingIterator:
                 if position.defer_switch(self._pass):
                     batch = next(self._inner)            # this pass goes on
                     position.yielded += 1
-                    self.index = position.yielded - 1
                     return batch
                 if position.switch_to_restored(self._pass):      # nothing of it left
                     raise StopIteration
@@ -354,7 +352,6 @@ class _ResumingIterator:
             self._pass = position.passes
         batch = next(self._inner)
         position.yielded += 1
-        self.index = position.yielded - 1
         return batch
 
 
@@ -385,33 +382,24 @@ class _BatchesEnumerated(_ENUMERATE, metaclass=_Enumerates):
     (``fullgraph=True`` included)."""
 
     _batches: Iterator[Any]
-    _index: Callable[[], int]
+    _position: LoaderPosition
     _start: int
 
     def __new__(cls, iterable: Any, start: int = 0) -> Any:
         inner = iter(iterable)
-        if isinstance(inner, _ResumingIterator):
-            index = _last_index(inner)
-        else:       # a progress bar over a registered loader (tqdm keeps it as .iterable)
-            position = getattr(getattr(iterable, "iterable", None), "_phalanx_position", None)
-            if not isinstance(position, LoaderPosition):
-                return _ENUMERATE(inner, start)
-            index = _yielded_index(position)
+        # the loader's position: its own iterator's, or a progress bar's over it (tqdm
+        # keeps what it wraps as .iterable)
+        position = (inner._position if isinstance(inner, _ResumingIterator) else
+                    getattr(getattr(iterable, "iterable", None), "_phalanx_position", None))
+        if not isinstance(position, LoaderPosition):
+            return _ENUMERATE(inner, start)
         self = super().__new__(cls, inner, start)
-        self._batches, self._index, self._start = inner, index, start
+        self._batches, self._position, self._start = inner, position, start
         return self
 
     def __next__(self) -> tuple[int, Any]:
         batch = next(self._batches)
-        return self._start + self._index(), batch
-
-
-def _last_index(batches: _ResumingIterator) -> Callable[[], int]:
-    return lambda: batches.index
-
-
-def _yielded_index(position: LoaderPosition) -> Callable[[], int]:
-    return lambda: position.yielded - 1
+        return self._start + self._position.yielded - 1, batch
 
 
 def _make_resumable(loader: DataLoader, position: LoaderPosition) -> None:
