@@ -67,18 +67,24 @@ def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def torchrun_shards(run_root: Path) -> dict[int, str]:
     """Each rank's final local-shard hash under torchrun (no phalanx: its Session is
     standalone and snapshots nothing)."""
+    shards = shards_under_torchrun(run_root, ARGS, 2)
+    assert shards[0] != shards[1]             # sharded: each rank holds different values
+    return shards
+
+
+def shards_under_torchrun(root: Path, argv: list[str], world: int) -> dict[int, str]:
+    """Each rank's final local-shard hash of ``examples/train_fsdp.py argv`` under
+    torchrun, ``world`` ranks, run in ``root``."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    out = run_root / "torchrun"
+    out = root / "torchrun"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(port), str(EXAMPLE), *ARGS, "--out", str(out)],
-        cwd=run_root, capture_output=True, text=True, timeout=180)
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+         "--master-port", str(port), str(EXAMPLE), *argv, "--out", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    shards = {r: Path(f"{out}.rank{r}").read_text() for r in range(2)}
-    assert shards[0] != shards[1]             # sharded: each rank holds different values
-    return shards
+    return {r: Path(f"{out}.rank{r}").read_text() for r in range(world)}
 
 
 def shard_hashes(run_dir: Path) -> dict[int, str]:
@@ -198,16 +204,7 @@ def test_hsdp_on_a_2d_mesh_survives_kill_worker_with_torchruns_shards(
     ``connectFullMesh``); now each is formed again in the recovery's generation, and every
     rank ends with torchrun's local shards (the lost rank's shards from its snapshot)."""
     argv = ["--steps", "30", "--sleep", "0.05", "--replicate", "2"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    out = tmp_path / "torchrun"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         "--master-port", str(port), str(EXAMPLE), *argv, "--out", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    expected = {r: Path(f"{out}.rank{r}").read_text() for r in range(4)}
+    expected = shards_under_torchrun(tmp_path, argv, 4)
     # replicated across the pairs {0, 2} and {1, 3}, sharded within them
     assert expected[0] == expected[2] != expected[1] == expected[3]
     # no fault-free run: torchrun's is the reference. The shards are rolled back to their

@@ -152,14 +152,20 @@ def test_the_loader_stays_a_dataloader_of_its_own_class() -> None:
     assert len(loader.dataset) == 40
 
 
-def train_with_peek(kind: str, replace: tuple[int, int] | None = None,
-                    epochs: int = 3) -> list[tuple[int, int, int, list, float]]:
-    """PyTorch's DDP tutorial loop: every epoch first peeks a batch for its size
-    (``next(iter(loader))``), then iterates the loader. ``replace`` (at, to): after step
-    ``at`` the process is replaced, as a promoted spare: a new loader and position load the
-    state captured after step ``to``, and the epoch loop starts again at its epoch."""
+def train_replaced(kind: str, replace: tuple[int, int] | None = None, epochs: int = 3,
+                   peek: bool = True, rollback: tuple[int, int] | None = None,
+                   limit: int = 0, bar: bool = False
+                   ) -> list[tuple[int, int, int, int, list, float]]:
+    """PyTorch's DDP tutorial loop, as (step, epoch, peeked size, i, batch, a training RNG
+    draw): every epoch first peeks a batch for its size (``peek``: ``next(iter(loader))``),
+    then iterates ``enumerate(loader)`` (through a tqdm-like ``ProgressBar`` with ``bar``),
+    leaving the epoch at ``i == limit`` when ``limit`` is set. ``replace`` (at, to): after
+    step ``at`` the process is replaced, as a promoted spare: a new loader and position
+    load the state captured after step ``to``, and the epoch loop starts again at its
+    epoch. ``rollback`` (at, to): a survivor's live loop restores the state captured after
+    step ``to`` instead (it redoes a batch)."""
     torch.manual_seed(0)
-    seen: list[tuple[int, int, int, list, float]] = []
+    seen: list[tuple[int, int, int, int, list, float]] = []
     captured: dict[int, Any] = {}
     step = epoch = 0
     while True:
@@ -175,20 +181,38 @@ def train_with_peek(kind: str, replace: tuple[int, int] | None = None,
             box["epoch"] = epoch
             if kind.startswith("distributed-"):
                 loader.sampler.set_epoch(epoch)
-            size = len(next(iter(loader)))
-            for batch in loader:
-                seen.append((step, epoch, size, batch.tolist(), torch.rand(()).item()))
+            size = len(next(iter(loader))) if peek else 0
+            for i, batch in enumerate(ProgressBar(loader) if bar else loader):
+                if limit and i >= limit:
+                    break
+                seen.append((step, epoch, size, i, batch.tolist(), torch.rand(()).item()))
                 step += 1
                 captured[step] = (copy.deepcopy(position.state_dict()), torch.get_rng_state(),
                                   epoch)
+                if rollback is not None and step == rollback[0]:
+                    state, rng, _ = captured[rollback[1]]
+                    rollback, step = None, rollback[1]
+                    position.load_state_dict(copy.deepcopy(state))
+                    torch.set_rng_state(rng)
+                    seen = [s for s in seen if s[0] < step]
                 if replace is not None and step == replace[0]:
                     replace, step, replaced = None, replace[1], True
                     seen = [s for s in seen if s[0] < step]
                     break
-            else:
+            if not replaced:
                 epoch += 1
         if not replaced:
             return seen
+
+
+class ProgressBar:
+    """tqdm's shape: keeps what it wraps as ``.iterable`` and yields from it."""
+
+    def __init__(self, iterable: Any) -> None:
+        self.iterable = iterable
+
+    def __iter__(self) -> Any:
+        yield from self.iterable
 
 
 @pytest.mark.parametrize("kind", ["distributed-workers", "random-workers", "random-persistent",
@@ -199,11 +223,11 @@ def test_a_replacement_whose_epochs_peek_a_batch_resumes_at_the_restored_batch(
     leaves the RNG alone; the loop's iterator resumes at the restored batch. (Before, the
     peek took the restored position and the loop ran the whole epoch again: a spare ran
     more steps than the survivors and the job hung in its last all-reduce.)"""
-    reference = train_with_peek(kind)
+    reference = train_replaced(kind)
     per_epoch = 5 if kind.startswith("distributed-") else 10
     assert len(reference) == 3 * per_epoch
-    assert train_with_peek(kind, (per_epoch + 3, per_epoch + 2)) == reference
-    assert train_with_peek(kind, (2 * per_epoch + 1, per_epoch - 2)) == reference
+    assert train_replaced(kind, (per_epoch + 3, per_epoch + 2)) == reference
+    assert train_replaced(kind, (2 * per_epoch + 1, per_epoch - 2)) == reference
 
 
 def train_noticing_in_the_peek(kind: str, notice: tuple[int, int] | None = None,
@@ -298,67 +322,6 @@ def test_a_dropped_loader_is_freed_at_once_though_its_session_is_in_a_cycle() ->
         session.position.state_dict()
 
 
-class ProgressBar:
-    """tqdm's shape: keeps what it wraps as ``.iterable`` and yields from it."""
-
-    def __init__(self, iterable: Any) -> None:
-        self.iterable = iterable
-
-    def __iter__(self) -> Any:
-        yield from self.iterable
-
-
-def train_enumerated(kind: str, rollback: tuple[int, int] | None = None,
-                     replace: tuple[int, int] | None = None, limit: int = 7,
-                     epochs: int = 2, bar: bool = False) -> list[tuple[int, int, list]]:
-    """An epoch loop numbering its batches with ``enumerate(loader)`` and leaving each
-    epoch after ``limit`` batches (``if i >= limit: break``), as (epoch, i, batch).
-    ``rollback`` (at, to): a survivor's live loop restores the state captured after step
-    ``to`` (it redoes a batch); ``replace`` (at, to): a new process takes over from the
-    state captured after step ``to`` and enters that epoch again (a promoted spare)."""
-    torch.manual_seed(0)
-    seen: list[tuple[int, int, int, list]] = []
-    captured: dict[int, Any] = {}
-    step = epoch = 0
-    while True:
-        loader = make(kind)
-        box = {"epoch": epoch}
-        position = LoaderPosition(loader, lambda: None, lambda: box["epoch"])
-        if step:                                   # the replacement restores first
-            state, rng, epoch = captured[step]
-            position.load_state_dict(copy.deepcopy(state))
-            torch.set_rng_state(rng)
-        replaced = False
-        while epoch < epochs and not replaced:
-            box["epoch"] = epoch
-            if kind.startswith("distributed-"):
-                loader.sampler.set_epoch(epoch)
-            for i, batch in enumerate(ProgressBar(loader) if bar else loader):
-                if i >= limit:
-                    break
-                seen.append((step, epoch, i, batch.tolist()))
-                step += 1
-                captured[step] = (copy.deepcopy(position.state_dict()), torch.get_rng_state(),
-                                  epoch)
-                if rollback is not None and step == rollback[0]:
-                    state, rng, _ = captured[rollback[1]]
-                    rollback, step = None, rollback[1]
-                    position.load_state_dict(copy.deepcopy(state))
-                    torch.set_rng_state(rng)
-                    seen = [s for s in seen if s[0] < step]
-                if replace is not None and step == replace[0]:
-                    replace, step, replaced = None, replace[1], True
-                    seen = [s for s in seen if s[0] < step]
-                    break
-            else:
-                epoch += 1
-                continue
-            if not replaced:
-                epoch += 1
-        if not replaced:
-            return [s[1:] for s in seen]
-
-
 @pytest.mark.parametrize("kind", ["random-workers", "distributed-persistent",
                                   "stateful-workers"])
 def test_enumerate_numbers_a_resumed_passs_batches_by_their_place_in_it(kind: str) -> None:
@@ -367,16 +330,15 @@ def test_enumerate_numbers_a_resumed_passs_batches_by_their_place_in_it(kind: st
     each batch as the run without the fault did (before, the replacement counted from 0
     at its resumed batch, ran more of the epoch than the survivors and the job ended with
     other parameters)."""
-    reference = train_enumerated(kind)
+    reference = train_replaced(kind, peek=False, epochs=2, limit=7)
     per_epoch = min(7, 5 if kind.startswith("distributed-") else 10)
-    assert [i for _, i, _ in reference] == list(range(per_epoch)) * 2
-    assert train_enumerated(kind, replace=(per_epoch + 4, per_epoch + 2)) == reference
-    assert train_enumerated(kind, replace=(3, 2)) == reference
-    assert train_enumerated(kind, rollback=(per_epoch + 3, per_epoch + 2)) == reference
-    # through a progress bar (tqdm keeps the loader as .iterable)
-    assert train_enumerated(kind, replace=(per_epoch + 4, per_epoch + 2), bar=True) == reference
-    assert train_enumerated(kind, rollback=(per_epoch + 3, per_epoch + 2), bar=True) \
-        == reference
+    assert [s[3] for s in reference] == list(range(per_epoch)) * 2
+    for bar in (False, True):       # through a progress bar (tqdm keeps it as .iterable)
+        def run(**fault: tuple[int, int]) -> list:
+            return train_replaced(kind, peek=False, epochs=2, limit=7, bar=bar, **fault)
+        assert run(replace=(per_epoch + 4, per_epoch + 2)) == reference
+        assert run(replace=(3, 2)) == reference
+        assert run(rollback=(per_epoch + 3, per_epoch + 2)) == reference
     # the builtin stands in everywhere else, and stays what isinstance knows
     assert isinstance(enumerate([1]), enumerate) and list(enumerate("ab", 1)) == [(1, "a"),
                                                                                  (2, "b")]
