@@ -11,7 +11,10 @@ Spec node (``state_tree``'s grammar; ``name`` is the local shard's payload tenso
 
 Only ``Shard(dim)`` and ``Replicate()`` are captured; any other placement (``Partial``,
 ``_StridedShard``) is refused at capture (``PlacementUnsupported``). A restore onto a mesh
-of another shape, dim names, rank list or coordinate is refused (``ReshardUnsupported``).
+of another shape, dim names or rank list is refused (``ReshardUnsupported``), and so is one
+at another coordinate, unless the two coordinates differ only along the mesh dimensions the
+DTensor is replicated over (HSDP's replicate dimension): those ranks hold the same shard
+(``replica_group``), so one heals another from its live copy.
 """
 from __future__ import annotations
 
@@ -71,6 +74,34 @@ def describe(value: DTensor, path: str) -> tuple[torch.Tensor, dict[str, Any]]:
         "coord": None if coord is None else [int(c) for c in coord]}
 
 
+def replica_group(value: DTensor) -> tuple[int, ...]:
+    """The ranks that hold the same local shard of ``value`` as this rank: the mesh's ranks
+    whose coordinate equals this rank's along every dimension it is not replicated over
+    (HSDP's (Replicate(), Shard(0)) on a 2 x 2 mesh [[0, 1], [2, 3]]: (1, 3) on rank 1;
+    FSDP's Shard(0) alone: this rank only). Sorted."""
+    from torch.distributed.tensor import Replicate
+    mesh = value.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return ()
+    kept = [d for d, p in enumerate(value.placements) if type(p) is not Replicate]
+    ranks = mesh.mesh
+    index = tuple(int(coord[d]) if d in kept else slice(None) for d in range(mesh.ndim))
+    return tuple(sorted(int(r) for r in ranks[index].reshape(-1).tolist()))
+
+
+def _same_shard(saved: Any, coord: Sequence[int] | None, placements: Any) -> bool:
+    """Whether the shard saved at coordinate ``saved`` is the one this rank (at ``coord``)
+    holds: equal along every dimension whose placement is not ``{"replicate": true}``."""
+    if coord is None or saved is None:
+        return saved is None and coord is None
+    if type(saved) is not list or len(saved) != len(coord) \
+            or type(placements) is not list or len(placements) != len(coord):
+        return False
+    return all(s == c or p == {"replicate": True}
+               for s, c, p in zip(saved, coord, placements))
+
+
 def _describe_mesh(info: Mapping[str, Any]) -> str:
     dims = info.get("dims")
     names = f" dims {tuple(dims)}" if dims else ""
@@ -81,11 +112,14 @@ def _describe_mesh(info: Mapping[str, Any]) -> str:
 def live_meshes(objects: Iterable[Any]) -> list[DeviceMesh]:
     """The DeviceMeshes the live DTensors of ``objects`` are on: a module's parameters and
     buffers, an optimizer's parameters (its state may not exist yet on a fresh rank), a
-    DTensor registered as a value. Distinct meshes, in first-seen order."""
+    DTensor registered as a value; a view of a module or optimizer (``state_classes``'
+    ``ParamsOf``, ``OptimizerStateOf``: its ``viewed``) as that object. Distinct meshes,
+    in first-seen order."""
     found: list[DeviceMesh] = []
     if _MODULE not in sys.modules:
         return found
     for obj in objects:
+        obj = getattr(obj, "viewed", obj)
         tensors: Iterable[Any] = ()
         if isinstance(obj, torch.nn.Module):
             tensors = [*obj.parameters(), *obj.buffers()]
@@ -116,17 +150,20 @@ def _ints(value: Any) -> list[int]:
 
 def _mesh_for(node: Mapping[str, Any], meshes: Sequence[DeviceMesh], path: str) -> DeviceMesh:
     """The live mesh equal to the snapshot's (device, shape, dims, ranks), with this rank
-    at the snapshot's coordinate; ReshardUnsupported naming both otherwise."""
+    at the snapshot's coordinate or one holding the same shard (``_same_shard``);
+    ReshardUnsupported naming both otherwise."""
     want = node["mesh"]
     for mesh in meshes:
         if mesh_info(mesh) != want:
             continue
         coord = mesh.get_coordinate()
-        if (None if coord is None else [int(c) for c in coord]) != node["coord"]:
+        if not _same_shard(node["coord"], None if coord is None else [int(c) for c in coord],
+                           node.get("placements")):
             raise ReshardUnsupported(
                 f"the snapshot's DTensor at '{path}' is the shard at coordinate "
                 f"{node['coord']} of the {_describe_mesh(want)}, but this rank is at "
-                f"{coord} of it: a rank restores only its own shards; {_FIX}")
+                f"{coord} of it: a rank restores only its own shards or those of the ranks it is "
+                f"replicated with; {_FIX}")
         return mesh
     live = "; ".join(_describe_mesh(mesh_info(m)) for m in meshes) or "no DTensor is live"
     raise ReshardUnsupported(

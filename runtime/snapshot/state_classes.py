@@ -1,11 +1,16 @@
 """Where each piece of registered state has its redundancy (DESIGN.md, "State classes").
 
-- **replicated**: every rank of the data-parallel group holds the same value live: the
-  parameters of a ``DistributedDataParallel`` module (or of a module declared replicated)
-  and the state of an optimizer whose parameters are all such parameters. A lost rank is
-  healed from a survivor's memory; snapshots of it are needed only when every replica is
-  lost, so they are taken at the full-snapshot interval only.
-- **sharded**: ``DTensor`` state (FSDP2 parameters and their optimizer state) and a
+- **replicated**: every rank of a *replica group* holds the same value live: the
+  parameters of a ``DistributedDataParallel`` module (or of a module declared replicated;
+  the group is every rank), the local shards of an HSDP module (``DTensor`` s placed
+  ``Replicate()`` along some mesh dimension: the group is the ranks along it,
+  ``dtensor.replica_group``), and the state of an optimizer whose parameters are all such
+  parameters. A lost rank is healed from a survivor of its group; snapshots of it are
+  needed only when every replica is lost, so they are taken at the full-snapshot interval
+  only. A rank's replicated objects share one group (``StateClasses.group``); a module
+  replicated over another group than the first one found is sharded (DTensors) or
+  per-rank (otherwise).
+- **sharded**: other ``DTensor`` state (FSDP2 parameters and their optimizer state) and a
   ``ZeroRedundancyOptimizer``'s partition (``runtime.snapshot.zero``): no live copy exists
   elsewhere, so it is snapshotted with the per-rank state.
 - **per_rank**: everything else: RNGs, data position, extras, schedulers, module buffers
@@ -30,6 +35,7 @@ from typing import Any, Iterator, Literal, Mapping
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from phalanx.runtime.snapshot.dtensor import replica_group
 from phalanx.runtime.snapshot.zero import is_zero
 
 log = logging.getLogger(__name__)
@@ -47,6 +53,11 @@ class _ModulePart:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self._cached: list[str] | None = None
+
+    @property
+    def viewed(self) -> torch.nn.Module:
+        """The module this is a part of (``dtensor.live_meshes`` finds its meshes there)."""
+        return self.module
 
     def _keys(self) -> list[str]:
         """This part's state-dict keys (read once: a module's structure is fixed by the
@@ -93,6 +104,10 @@ class OptimizerStateOf:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
 
+    @property
+    def viewed(self) -> torch.optim.Optimizer:
+        return self.optimizer
+
     def state_dict(self) -> dict[str, Any]:
         state = self.optimizer.state_dict()
         return {"state": state["state"],
@@ -119,6 +134,10 @@ class GroupsOf:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+
+    @property
+    def viewed(self) -> torch.optim.Optimizer:
+        return self.optimizer
 
     def state_dict(self) -> dict[str, Any]:
         return {"param_groups": [{k: v for k, v in group.items() if k != "params"}
@@ -147,6 +166,7 @@ class StateClasses:
     kinds: dict[str, str] = field(default_factory=dict)   # object name -> class or "split"
     replicated: dict[str, Any] = field(default_factory=dict)
     per_rank: dict[str, Any] = field(default_factory=dict)
+    group: tuple[int, ...] = ()     # the ranks the replicated view is alike on; (): every rank
 
     @property
     def split(self) -> bool:
@@ -154,11 +174,25 @@ class StateClasses:
         return bool(self.replicated)
 
     def describe(self) -> str:
-        return " ".join(f"{name}={kind}" for name, kind in sorted(self.kinds.items()))
+        kinds = " ".join(f"{name}={kind}" for name, kind in sorted(self.kinds.items()))
+        return f"{kinds} replica_group={list(self.group)}" if self.group else kinds
 
 
 def _is_sharded(tensor: Any) -> bool:
     return type(tensor).__name__ == "DTensor"
+
+
+def _mesh_replicas(params: list[Any]) -> tuple[int, ...] | None:
+    """The ranks that hold the same local shards of every one of ``params`` as this rank
+    (HSDP's replicate dimension), when all are DTensors replicated over one group of more
+    than this rank; None otherwise (FSDP's shards: each rank its own)."""
+    if not params or not all(_is_sharded(p) for p in params):
+        return None
+    groups = {replica_group(p) for p in params}
+    if len(groups) != 1:
+        return None
+    (group,) = groups
+    return group if len(group) > 1 else None
 
 
 def _ddp_wrapped(modules: Mapping[str, torch.nn.Module]) -> set[int]:
@@ -184,8 +218,9 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
 
     Inferred: a DDP module (registered as the DDP wrapper or as the module it wraps) has
     replicated parameters and per-rank buffers; a module with ``DTensor`` parameters is
-    sharded; an optimizer is replicated when every parameter it updates is a replicated
-    module's, sharded when any is a ``DTensor``; everything else is per-rank.
+    replicated over their mesh's replicate dimension when it has one (HSDP), else sharded;
+    an optimizer is replicated when every parameter it updates is a replicated module's,
+    else sharded when any is a ``DTensor``; everything else is per-rank.
     ``declared`` (name -> class) overrides the inference for an object (a module declared
     replicated still keeps its buffers per-rank). ``data_parallel=False`` (one rank):
     nothing is replicated."""
@@ -202,16 +237,31 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
         if data_parallel else set()
     out = StateClasses()
     replicated_params: set[int] = set()
+    chosen: tuple[int, ...] | None = None   # the replica group, once one is found
+
+    def fits(group: tuple[int, ...], name: str) -> bool:
+        nonlocal chosen
+        if chosen is None or chosen == group:
+            chosen = group
+            return True
+        log.info("event=state_class_other_group name=%s group=%s replica_group=%s", name,
+                 list(group) or "all", list(chosen) or "all")
+        return False
+
     for name, obj in objects.items():
         if not isinstance(obj, torch.nn.Module):
             continue
-        if any(_is_sharded(p) for p in obj.parameters()):
-            kind = "sharded"
+        params = list(obj.parameters())
+        mesh_group = _mesh_replicas(params) if data_parallel else None
+        if any(_is_sharded(p) for p in params):
+            kind = "sharded" if mesh_group is None else "replicated"
         elif isinstance(obj, DistributedDataParallel) or id(obj) in wrapped:
             kind = "replicated"
         else:
             kind = "per_rank"
         kind = declared.get(name, kind)
+        if kind == "replicated" and data_parallel and not fits(mesh_group or (), name):
+            kind = "sharded" if any(_is_sharded(p) for p in params) else "per_rank"
         if kind == "replicated" and data_parallel:
             replicated_params.update(id(p) for p in obj.parameters())
             out.replicated[name] = ParamsOf(obj)
@@ -234,10 +284,10 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
                                  "state; leave it undeclared (sharded)")
         elif isinstance(obj, torch.optim.Optimizer):
             params = list(_optimizer_params(obj))
-            if any(_is_sharded(p) for p in params):
+            if params and all(id(p) in replicated_params for p in params):
+                kind = "replicated"     # over the replicated modules' group
+            elif any(_is_sharded(p) for p in params):
                 kind = "sharded"
-            elif params and all(id(p) in replicated_params for p in params):
-                kind = "replicated"
         kind = declared.get(name, kind)
         if kind == "replicated" and data_parallel \
                 and isinstance(obj, torch.optim.Optimizer):
@@ -250,5 +300,6 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
             out.per_rank[name] = obj
             kind = "per_rank" if kind == "replicated" else kind
         out.kinds[name] = kind
+    out.group = chosen or ()
     log.info("event=state_classes %s", out.describe())
     return out

@@ -9,14 +9,20 @@ its per-rank state, whether every rank did) and the broadcasts:
 
 1. **live steps**: each rank says which step its replicated state is at (its completed
    steps, plus one if its optimizer already applied the step in flight; -1 for a
-   replacement, which holds none).
+   replacement, which holds none), and its replica group (``StateClasses.group``: every
+   rank under DDP; the ranks along HSDP's replicate dimension, which hold the same shards).
 2. **availability**: for each candidate step (the survivors' live steps when some state is
    replicated, else the newest three), whether the rank's per-rank snapshot of it is held by
    one of its sources (its own node keeper, the replica keepers).
 3. **the step**: ``choose_step``, the newest candidate every rank can restore its per-rank
-   state at and, when state is replicated, some survivor holds live. None: no heal (every
-   replica of some state is gone, or a lost rank's snapshot of the survivors' step is
-   missing); the caller falls back to the plan's committed step and the restore ladder.
+   state at and, when state is replicated, some survivor of every replica group holds
+   live. None: no heal (every replica of some state is gone, or a lost rank's snapshot of
+   the survivors' step is missing); the caller falls back to the plan's committed step and
+   the restore ladder.
+
+Then each replica group whose members do not all hold the step receives it from those that
+do (``send_replicated``), group after group, over the whole re-formed group: ranks outside
+the group take part in its broadcasts and drop what they receive.
 
 The step rule (a step is a transaction): survivors are at most one step apart (every step's
 gradients are all-reduced by every rank, so no rank applies step s+1 while another has not
@@ -55,15 +61,23 @@ def candidates(live: Sequence[int], replicated: bool) -> list[int]:
 
 
 def choose_step(live: Sequence[int], available: Sequence[Sequence[bool]],
-                steps: Sequence[int], replicated: bool) -> int | None:
+                steps: Sequence[int], replicated: bool,
+                groups: Sequence[int] | None = None) -> int | None:
     """The newest of ``steps`` that every rank can restore (``available[rank][i]`` for
-    ``steps[i]``) and, with replicated state, some rank holds live; None if none is."""
+    ``steps[i]``) and, with replicated state, some rank of every replica group holds live
+    (``groups[rank]``: its group's key; None: one group of every rank); None if none is."""
+    keys = list(groups) if groups is not None else [0] * len(live)
     for i, step in enumerate(steps):
-        if replicated and step not in live:
+        if replicated and {k for k, s in zip(keys, live) if s == step} != set(keys):
             continue
         if all(row[i] for row in available):
             return step
     return None
+
+
+def group_key(group: Sequence[int]) -> int:
+    """The key a rank's replica group is gathered by: its lowest rank; -1 for every rank."""
+    return min(group) if group else -1
 
 
 def _gather(values: Sequence[int], rank: int, world: int,
@@ -82,29 +96,33 @@ class Agreement:
     live: tuple[int, ...]       # every rank's live replicated step, by rank
     seconds: float
     interval: int = 0           # the largest snapshot interval any rank had agreed to
+    groups: tuple[int, ...] = ()    # every rank's replica group key (group_key), by rank
 
 
 def agree(*, rank: int, world: int, live_step: int, replicated: bool,
           probe: Callable[[int], bool],
-          reduce: Callable[[torch.Tensor], torch.Tensor], interval: int = 0) -> Agreement:
+          reduce: Callable[[torch.Tensor], torch.Tensor], interval: int = 0,
+          group: Sequence[int] = ()) -> Agreement:
     """Rounds 1-3 on this rank (see the module docstring): two small all-reduces; every
     rank returns the same agreement. ``probe(step)``: this rank's per-rank snapshot of
     ``step`` is held by one of its sources; ``reduce``: the new group's all-reduce (raises
     ``CollectiveAborted``); ``interval``: the snapshot interval this rank had agreed to (0:
     none, a replacement), gathered in the first round so the healed ranks go on at the
-    survivors' interval instead of measuring it again from every step."""
+    survivors' interval instead of measuring it again from every step; ``group``: the
+    ranks its replicated state is alike on (``StateClasses.group``; (): every rank)."""
     started = time.perf_counter()
-    rows = _gather([live_step, interval], rank, world, reduce)
+    rows = _gather([live_step, interval, group_key(group)], rank, world, reduce)
     live, agreed = tuple(row[0] for row in rows), max(row[1] for row in rows)
+    groups = tuple(row[2] for row in rows)
     steps = candidates(live, replicated)
     if not steps:
-        return Agreement(None, live, round(time.perf_counter() - started, 4), agreed)
+        return Agreement(None, live, round(time.perf_counter() - started, 4), agreed, groups)
     mine = [int(_safe_probe(probe, s)) for s in steps]
     available = [[bool(v) for v in row] for row in _gather(mine, rank, world, reduce)]
-    step = choose_step(live, available, steps, replicated)
-    log.info("event=heal_agree rank=%d live=%s candidates=%s available=%s step=%s "
-             "interval=%d", rank, list(live), steps, mine, step, agreed)
-    return Agreement(step, live, round(time.perf_counter() - started, 4), agreed)
+    step = choose_step(live, available, steps, replicated, groups)
+    log.info("event=heal_agree rank=%d live=%s groups=%s candidates=%s available=%s step=%s "
+             "interval=%d", rank, list(live), list(groups), steps, mine, step, agreed)
+    return Agreement(step, live, round(time.perf_counter() - started, 4), agreed, groups)
 
 
 def finish(agreement: Agreement, *, rank: int, world: int, loaded: bool,
@@ -120,10 +138,15 @@ def finish(agreement: Agreement, *, rank: int, world: int, loaded: bool,
     if not replicated:
         return (), 0
     holders = tuple(r for r, s in enumerate(agreement.live) if s == step)
-    if len(holders) == world:
-        return holders, 0
-    return holders, send_replicated(replicated, rank, holders,
-                                    agreement.live[rank] == step, broadcast)
+    keys = agreement.groups or (-1,) * world
+    received = 0
+    for key in sorted(set(keys)):      # the same order on every rank
+        members = [r for r in range(world) if keys[r] == key]
+        sources = [r for r in members if r in holders]
+        if len(sources) < len(members):
+            received += send_replicated(replicated, rank, sources, broadcast,
+                                        member=keys[rank] == key)
+    return holders, received
 
 
 def _safe_probe(probe: Callable[[int], bool], step: int) -> bool:
@@ -135,32 +158,40 @@ def _safe_probe(probe: Callable[[int], bool], step: int) -> bool:
 
 
 def send_replicated(objects: Mapping[str, Any], rank: int, holders: Sequence[int],
-                    holds: bool, broadcast: Callable[[torch.Tensor, int], None]) -> int:
-    """Broadcast the replicated objects from ``holders`` (each sends every len(holders)-th
-    bucket) to the ranks that lack them, which apply them in place; returns the bytes this
-    rank received. The tree spec travels as JSON bytes from the first holder. A large
-    tensor is sent as itself (a holder's live tensor, received into the tensor the
-    receiver applies): no staging copy on either side."""
+                    broadcast: Callable[[torch.Tensor, int], None], member: bool = True) -> int:
+    """Broadcast one replica group's replicated objects from its ``holders`` (each sends
+    every len(holders)-th bucket) to its members that lack them, which apply them in place;
+    returns the bytes this rank received. Every rank of the re-formed group takes part:
+    a holder and a rank outside the group (``member`` false) receive and drop. The tree
+    spec travels as JSON bytes from the first holder. A large tensor is sent as itself (a
+    holder's live tensor, received into the tensor the receiver applies): no staging copy
+    on either side."""
+    holds = rank in holders
     tensors, own_spec = flatten_state(objects) if holds else ({}, {})
     header = _header(tensors, own_spec) if holds else b""
     spec, shapes = _parse_header(_broadcast_bytes(header, holders[0], broadcast))
+    receives = member and not holds
     if holds:
         if sorted(tensors) != sorted(shapes):
             raise PhalanxError(f"rank {rank} holds replicated tensors {sorted(tensors)[:3]}... "
                                f"but holder {holders[0]} sent {sorted(shapes)[:3]}...")
-    else:
+    elif receives:
         tensors = _targets(objects, shapes)
+    else:                       # only the sizes: each bucket is received into fresh memory
+        codes = code_dtypes()
+        tensors = {name: torch.empty(shape, dtype=codes[code], device="meta")
+                   for name, (shape, code) in shapes.items()}
     received = 0
     for i, bucket in enumerate(_buckets(tensors)):
         src = holders[i % len(holders)]
         part = [tensors[n] for n in bucket]
         if rank == src:
             _send(part, src, broadcast)
-        elif holds:             # a holder already has these bytes: received and dropped
-            _receive([torch.empty_like(t) for t in part], src, broadcast)
-        else:
+        elif receives:
             received += _receive(part, src, broadcast)
-    if not holds:
+        else:                   # a holder already has these bytes, an outsider needs none
+            _receive([torch.empty_like(t, device="cpu") for t in part], src, broadcast)
+    if receives:
         apply_state(objects, tensors, spec, owned=True)
     return received
 

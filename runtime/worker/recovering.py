@@ -251,6 +251,7 @@ class Rejoining:
         agreed = snapshotter.interval if snapshotter is not None and self._holds_state else 0
         agreement = heal.agree(rank=ctx.rank, world=world_size, live_step=live,
                                replicated=classes.split, reduce=reduce, interval=agreed,
+                               group=classes.group,
                                probe=holdings_probe(keepers, channel, job=ctx.job, secret=ctx.secret,
                                                     timeout_s=ctx.group_timeout_s,
                                                     generation=generation))

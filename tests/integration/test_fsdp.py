@@ -201,20 +201,20 @@ def test_hsdp_on_a_2d_mesh_survives_kill_worker_with_torchruns_shards(
     replicated over 2 such pairs), world 4 on 2 nodes, rank 1 killed. The mesh's
     dimensions are groups made by ``new_group``: before, the replacement's ``new_group``
     waited for the survivors' long-made groups and the job failed (gloo
-    ``connectFullMesh``); now each is formed again in the recovery's generation, and every
-    rank ends with torchrun's local shards (the lost rank's shards from its snapshot)."""
+    ``connectFullMesh``); now each is formed again in the recovery's generation. The lost
+    rank's shards (model and Adam state) are replicated on rank 3 (the same coordinate
+    along the shard dimension): the replacement receives them from rank 3's live memory
+    at the survivors' step, nobody rolls back (the shipped drill's ``max_lost_steps: 1``),
+    and every rank ends with torchrun's local shards."""
     argv = ["--steps", "30", "--sleep", "0.05", "--replicate", "2"]
     expected = shards_under_torchrun(tmp_path, argv, 4)
     # replicated across the pairs {0, 2} and {1, 3}, sharded within them
     assert expected[0] == expected[2] != expected[1] == expected[3]
-    # no fault-free run: torchrun's is the reference. The shards are rolled back to their
-    # last snapshot (the replica of the lost rank's shards on rank 3 is not healed from
-    # yet), so steps since it are redone: a few at the auto interval, not at most one
+    # no fault-free run: torchrun's is the reference
     scenario = tmp_path / "kill_worker.yaml"
     shipped = (ROOT / "configs" / "drills" / "kill_worker.yaml").read_text()
     assert "final_state: identical" in shipped and "max_lost_steps: 1" in shipped
-    scenario.write_text(shipped.replace("final_state: identical", "")
-                        .replace("max_lost_steps: 1", "max_lost_steps: 20"))
+    scenario.write_text(shipped.replace("final_state: identical", ""))
     result = drill("run", str(scenario), "--config", "configs/fsdp.yaml",
                    "--set", "job.world_size=4", "--set", f"job.argv={json.dumps(argv)}",
                    run_root=tmp_path / "runs", timeout_s=400)
@@ -223,7 +223,16 @@ def test_hsdp_on_a_2d_mesh_survives_kill_worker_with_torchruns_shards(
     assert report["passed"], report["checks"]
     drilled = Path(report["run"]["run_dir"])
     assert shard_hashes(drilled) == expected
-    logs = "".join(p.read_text() for p in (drilled / "logs").glob("rank_*.log"))
-    assert "Gloo connectFullMesh failed" not in logs
-    assert re.search(r"event=group_formed generation=1 .* group=sub/", logs)
+    logs = {p.name: p.read_text() for p in (drilled / "logs").glob("rank_*.log")}
+    everything = "".join(logs.values())
+    assert "Gloo connectFullMesh failed" not in everything
+    assert re.search(r"event=group_formed generation=1 .* group=sub/", everything)
+    # each pair's shards are replicated state over the pair
+    assert re.search(r"event=state_classes .*model=replicated optimizer=split "
+                     r"replica_group=\[1, 3\]", everything)
+    (spare,) = [text for name, text in logs.items() if name.startswith("rank_1_spare")]
+    healed = re.search(r"event=healed rank=1 generation=1 step=(\d+) .*holders=\[0, 2, 3\] "
+                       r"received_bytes=(\d+)", spare)
+    assert healed and int(healed.group(2)) > 0, spare[-3000:]
+    assert "event=heal_fallback" not in everything
     assert_nothing_left(footprint)

@@ -45,14 +45,19 @@ def _tensor_addresses(model: torch.nn.Module, opt: torch.optim.Optimizer) -> lis
         t.data_ptr() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
 
-def _heal_rank(rank: Rank, live: list[int], per_rank_steps: list[list[int]]) -> dict:
+def _heal_rank(rank: Rank, live: list[int], per_rank_steps: list[list[int]],
+               groups: list[tuple[int, ...]] | None = None) -> dict:
     """One rank: its state at ``live[rank]`` (-1: a replacement, a different init and a
     fresh optimizer; -2: a replacement whose script created its optimizer state zeroed, as
     ``examples/train_transformer.py`` does); heal; return the agreed step, whether its
     replicated state now equals the reference trained to that step, and whether it was
-    received into the tensors the rank held (the same addresses)."""
+    received into the tensors the rank held (the same addresses). ``groups[rank]``: the
+    ranks its replicated state is alike on (HSDP's replicate dimension; each group's state
+    is trained from its own seed); None: every rank."""
     mine, prebuilt = max(live[rank.rank], -1), live[rank.rank] == -2
-    model, opt = _trained(mine) if mine >= 0 else _trained(0, seed=99)
+    group = groups[rank.rank] if groups else ()
+    seed = min(group) if group else 0
+    model, opt = _trained(mine, seed) if mine >= 0 else _trained(0, seed=99)
     if prebuilt:
         for p in model.parameters():
             opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
@@ -77,17 +82,19 @@ def _heal_rank(rank: Rank, live: list[int], per_rank_steps: list[list[int]]) -> 
     # last agreement); a replacement has none
     interval = 10 + rank.rank if mine >= 0 else 0
     agreement = heal.agree(rank=rank.rank, world=rank.world_size, live_step=mine,
-                           replicated=True, reduce=reduce, interval=interval,
+                           replicated=True, reduce=reduce, interval=interval, group=group,
                            probe=lambda s: s in per_rank_steps[rank.rank])
-    assert agreement.interval == 11           # the largest, on every rank
+    # the largest, on every rank
+    assert agreement.interval == max(10 + r for r, s in enumerate(live) if s >= 0)
     if agreement.step is None:
-        return {"step": None, "equal": _state_bytes(model, opt) == _state_bytes(*_trained(mine))}
+        return {"step": None,
+                "equal": _state_bytes(model, opt) == _state_bytes(*_trained(mine, seed))}
     done = heal.finish(agreement, rank=rank.rank, world=rank.world_size, loaded=True,
                        replicated=classes.replicated, reduce=reduce, broadcast=broadcast)
     assert done is not None
     holders, received = done
     return {"step": agreement.step, "holders": list(holders), "received": received,
-            "equal": _state_bytes(model, opt) == _state_bytes(*_trained(agreement.step)),
+            "equal": _state_bytes(model, opt) == _state_bytes(*_trained(agreement.step, seed)),
             "in_place": _tensor_addresses(model, opt)[:len(addresses)] == addresses,
             "held": len(addresses), "tensors": len(_tensor_addresses(model, opt))}
 
@@ -128,3 +135,28 @@ def test_no_heal_when_no_survivor_holds_a_step_every_rank_can_restore() -> None:
                    world_size=3)
     assert [o["step"] for o in out] == [None] * 3
     assert out[0]["equal"] and out[1]["equal"]
+
+
+HSDP = [(0, 2), (1, 3), (0, 2), (1, 3)]     # a 2 x 2 mesh's replicate dimension
+
+
+@pytest.mark.timeout(120)
+def test_each_replica_group_heals_from_its_own_survivors() -> None:
+    """HSDP: ranks {0, 2} hold one half of the shards, {1, 3} the other. Rank 1 is
+    replaced: it receives its group's state from rank 3 alone; ranks 0 and 2 take part in
+    the broadcasts and keep their own (other) state."""
+    out = on_ranks(_heal_rank, [STEP, -1, STEP, STEP], [[STEP]] * 4, HSDP, world_size=4)
+    assert [o["step"] for o in out] == [STEP] * 4
+    assert all(o["equal"] for o in out), out
+    assert out[1]["holders"] == [0, 2, 3] and out[1]["received"] > 0
+    assert [o["received"] for o in out if o is not out[1]] == [0, 0, 0]
+
+
+@pytest.mark.timeout(120)
+def test_no_heal_when_every_replica_of_one_group_is_lost() -> None:
+    """Ranks 1 and 3, the whole group of the second half of the shards, are replaced:
+    ranks 0 and 2 still hold their half live, but nobody holds the other; no heal (the
+    ladder restores every rank from snapshots) and nobody changes anything."""
+    out = on_ranks(_heal_rank, [STEP, -1, STEP, -1], [[STEP]] * 4, HSDP, world_size=4)
+    assert [o["step"] for o in out] == [None] * 4
+    assert out[0]["equal"] and out[2]["equal"]

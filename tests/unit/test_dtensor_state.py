@@ -24,6 +24,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from phalanx.configs.errors import (FatalError, PlacementUnsupported, ReshardUnsupported,
                                     SnapshotCorrupt)
 from phalanx.runtime.consistency.digest import replica_digest
+from phalanx.runtime.snapshot.dtensor import replica_group
+from phalanx.runtime.snapshot.state_classes import OptimizerStateOf, ParamsOf, classify
 from phalanx.runtime.snapshot.state_tree import apply_state, flatten_state, unflatten_state
 from tests.unit.test_state_tree import capture, restore
 
@@ -32,14 +34,20 @@ _WORLDS = itertools.count()
 
 
 @contextmanager
-def fake_world(rank: int, world: int) -> Iterator[Any]:
-    """This process as ``rank`` of ``world`` (fake collectives); yields a 1-D "dp" mesh."""
+def fake_world(rank: int, world: int, replicate: int = 1) -> Iterator[Any]:
+    """This process as ``rank`` of ``world`` (fake collectives); yields a 1-D "dp" mesh, or
+    with ``replicate`` > 1 a 2-D (replicate, shard) mesh (HSDP)."""
     assert not dist.is_initialized(), "another test left a process group behind"
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     # a new dim name per world: FSDP2 reuses an earlier mesh equal by value (same shape and
     # names), with that world's coordinate; a real process has one world
+    n = next(_WORLDS)
     try:
-        yield init_device_mesh("cpu", (world,), mesh_dim_names=(f"dp{next(_WORLDS)}",))
+        if replicate > 1:
+            yield init_device_mesh("cpu", (replicate, world // replicate),
+                                   mesh_dim_names=(f"rep{n}", f"shard{n}"))
+        else:
+            yield init_device_mesh("cpu", (world,), mesh_dim_names=(f"dp{n}",))
     finally:
         dist.destroy_process_group()
 
@@ -207,3 +215,56 @@ def test_the_replica_digest_leaves_shards_out_and_still_sees_replicated_state() 
     assert digest is not None and replica_digest(other_sums, other, names) == digest
     plain = next(n for n in sums if n not in sharded and n.startswith("optimizer/"))
     assert replica_digest({**other_sums, plain: "xxh3:bad"}, other, names) != digest
+
+
+def test_hsdp_shards_are_replicated_over_the_replicate_dimension() -> None:
+    """A 2 x 2 (replicate, shard) mesh over ranks [[0, 1], [2, 3]]: rank 1 holds the same
+    shards as rank 3, so its model and optimizer are replicated over (1, 3) and heal from
+    rank 3's live copy; a 1-D mesh's shards are each rank's own (sharded)."""
+    with fake_world(1, 4, replicate=2) as mesh:
+        objects = sharded_job(mesh)
+        weight = objects["model"][0].weight
+        assert [type(p).__name__ for p in weight.placements] == ["Replicate", "Shard"]
+        assert replica_group(weight) == (1, 3)
+        classes = classify(objects)
+        assert classes.kinds == {"model": "replicated", "optimizer": "split"}
+        assert classes.group == (1, 3)
+        assert isinstance(classes.replicated["model"], ParamsOf)
+        assert isinstance(classes.replicated["optimizer"], OptimizerStateOf)
+        assert "replica_group=[1, 3]" in classes.describe()
+    with fake_world(1, 2) as mesh:
+        objects = sharded_job(mesh)
+        assert replica_group(objects["model"][0].weight) == (1,)
+        classes = classify(objects)
+        assert classes.kinds == {"model": "sharded", "optimizer": "sharded"}
+        assert not classes.split and classes.group == ()
+
+
+def test_a_replicas_shards_apply_on_the_rank_it_is_replicated_with() -> None:
+    """Rank 1 given the shards of rank 3 (coordinate [1, 1]; rank 1 is at [0, 1]): the same
+    shards by their placements, applied (a heal from the live replica). Those of rank 0
+    (coordinate [0, 0], the other half) are refused."""
+    with fake_world(1, 4, replicate=2) as mesh:
+        objects = sharded_job(mesh, steps=2)
+        tensors, spec = flatten_state(objects)
+        assert node(spec, "model", "0.weight")["coord"] == [0, 1]
+        for obj in ("model", "optimizer"):
+            for item in _dtensor_nodes(spec["objects"][obj]):
+                item["coord"] = [1, 1]
+        fresh = sharded_job(mesh, steps=0)
+        apply_state(fresh, {k: t.clone() for k, t in tensors.items()}, spec)
+        assert local_bytes(fresh) == local_bytes(objects)
+        node(spec, "model", "0.weight")["coord"] = [0, 0]
+        with pytest.raises(ReshardUnsupported, match=r"coordinate \[0, 0\] .* at \(0, 1\)"):
+            apply_state(fresh, {k: t.clone() for k, t in tensors.items()}, spec)
+
+
+def _dtensor_nodes(tree: Any) -> Iterator[dict]:
+    if isinstance(tree, list):
+        for item in tree:
+            yield from _dtensor_nodes(item)
+    elif isinstance(tree, dict):
+        if tree.get("t") == "dtensor":
+            yield tree
+        for value in tree.values():
+            yield from _dtensor_nodes(value)

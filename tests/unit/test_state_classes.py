@@ -127,3 +127,10 @@ def test_the_step_rule() -> None:
     assert choose_step([6, 6, -1], [[1, 1], [1, 1], [0, 1]], [6, 5], True) is None
     # without replicated state a step nobody holds live is fine
     assert choose_step([6, 6, -1], [[1, 1], [1, 1], [0, 1]], [6, 5], False) == 5
+    # replica groups (HSDP pairs {0, 2} and {1, 3}): every group needs a live holder
+    pairs = [0, 1, 0, 1]
+    assert choose_step([6, -1, 6, 6], [[1]] * 4, [6], True, pairs) == 6
+    assert choose_step([6, -1, 6, -1], [[1]] * 4, [6], True, pairs) is None
+    # rank 3 applied step 6, rank 1 was lost: only step 6 has a holder in each pair
+    assert choose_step([5, -1, 5, 6], [[1, 1]] * 4, [6, 5], True, pairs) is None
+    assert choose_step([6, -1, 5, 6], [[1, 1]] * 4, [6, 5], True, pairs) == 6
