@@ -70,6 +70,9 @@ def parse_args():
                         help="the evaluation all-reduces over a group made by dist.new_group")
     parser.add_argument("--max-batches", type=int, default=0,
                         help="leave each epoch after this many batches (0: all)")
+    parser.add_argument("--static-graph", action="store_true",
+                        help="DDP(static_graph=True), as scripts with activation "
+                             "checkpointing use")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--out", default="", help="write the final hash to OUT.rank<r>")
     return parser.parse_args()
@@ -115,7 +118,7 @@ def main():
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
                         num_workers=args.workers, persistent_workers=args.persistent_workers)
     test_loader = DataLoader(Regression(64, seed=3), batch_size=32)
-    model = DDP(make_model(args.batchnorm))
+    model = DDP(make_model(args.batchnorm), static_graph=args.static_graph)
     if args.zero:
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD,
                                             lr=args.lr, momentum=0.9)

@@ -453,15 +453,27 @@ def _capped_buckets(ddp: Any) -> None:
     builtin = getattr(ddp, "_phalanx_builtin_hook", None)
     if builtin is not None:
         dist._register_builtin_comm_hook(ddp.reducer, builtin)
+    if ddp.static_graph:        # as DDP's __setstate__ does for its new reducer
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+        ddp._static_graph_delay_allreduce_enqueued = False     # its first iteration again
 
 
 def _patch_ddp() -> None:
     """DDP modules on the default group of a fault-tolerant script (a Session attached)
     get a bucket layout every rank can compute alone (``_capped_buckets``) and keep it
-    (``_InitialBuckets``). Without a Session, and with ``static_graph``,
-    ``find_unused_parameters`` (whose layout is already that one) or DDP's Python reducer,
-    DDP is left as it is: its rebuilt layout changes the summation order of a ring
-    all-reduce over 3+ ranks, so an unmodified script ends bit for bit as under torchrun."""
+    (``_InitialBuckets``). Without a Session, and with ``find_unused_parameters`` (whose
+    layout is already that one) or DDP's Python reducer, DDP is left as it is: its rebuilt
+    layout changes the summation order of a ring all-reduce over 3+ ranks, so an
+    unmodified script ends bit for bit as under torchrun.
+
+    ``static_graph`` too, and its reducer is built again at the first forward of every
+    generation on every rank: a static graph's first iteration is unlike the others (it
+    all-reduces every bucket after the backward pass and then the map of the parameters
+    it used, to find unused ones). A replacement's first iteration met the survivors'
+    later one, gloo read a message of another size and aborted the replacement again and
+    again (5 times, then every rank fell back to its snapshot); now every rank's next
+    iteration is a first one."""
     from torch.nn.parallel import DistributedDataParallel
 
     original = getattr(DistributedDataParallel._pre_forward, "__wrapped__",
@@ -474,8 +486,7 @@ def _patch_ddp() -> None:
     def _pre_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         group = getattr(self, "process_group", None)
         if (not isinstance(group, _Forwarding) or not group.fault_tolerant
-                or self.static_graph or self.find_unused_parameters
-                or self._use_python_reducer):
+                or self.find_unused_parameters or self._use_python_reducer):
             return original(self, *args, **kwargs)    # DDP as under torchrun
         if not getattr(self, "_phalanx_capped", False):
             _capped_buckets(self)
@@ -488,6 +499,8 @@ def _patch_ddp() -> None:
             # skipped that broadcast while the replacement made it, and gloo matched the
             # replacement's broadcast with the survivor's evaluation all-reduce.
             self.require_forward_param_sync = True
+            if self.static_graph:
+                _capped_buckets(self)
         # a forward whose broadcast is answered locally (an evaluation at a restored
         # epoch's top) leaves the next one to make it, as the other ranks' first forward
         # since the recovery does

@@ -1,8 +1,9 @@
 """Where each piece of registered state has its redundancy (DESIGN.md, "State classes").
 
 - **replicated**: every rank of a *replica group* holds the same value live: the
-  parameters of a ``DistributedDataParallel`` module (or of a module declared replicated;
-  the group is every rank), the local shards of an HSDP module (``DTensor`` s placed
+  parameters of a ``DistributedDataParallel`` module (the group: its process group's
+  ranks, every rank on the default group) or of a module declared replicated (every
+  rank), the local shards of an HSDP module (``DTensor`` s placed
   ``Replicate()`` along some mesh dimension: the group is the ranks along it,
   ``dtensor.replica_group``), and the state of an optimizer whose parameters are all such
   parameters. A lost rank is healed from a survivor of its group; snapshots of it are
@@ -195,16 +196,31 @@ def _mesh_replicas(params: list[Any]) -> tuple[int, ...] | None:
     return group if len(group) > 1 else None
 
 
-def _ddp_wrapped(modules: Mapping[str, torch.nn.Module]) -> set[int]:
-    """ids of the registered plain modules that some live DDP wraps (one scan of the
-    garbage collector's objects, at start only)."""
+def _ddp_wrapped(modules: Mapping[str, torch.nn.Module]) -> dict[int, Any]:
+    """The live DDP that wraps each registered plain module some DDP wraps, by the
+    module's id (one scan of the garbage collector's objects, at start only)."""
     wanted = {id(m) for m in modules.values()}
     if not wanted:
-        return set()
+        return {}
     # type(), not isinstance(): the latter reads __class__ of every object (deprecated
     # module proxies warn)
-    return {id(obj.module) for obj in gc.get_objects()
+    return {id(obj.module): obj for obj in gc.get_objects()
             if issubclass(type(obj), DistributedDataParallel) and id(obj.module) in wanted}
+
+
+def _ddp_replicas(ddp: Any) -> tuple[int, ...]:
+    """The ranks a DDP module's parameters are alike on: those of its process group when
+    that is not the whole world (a data-parallel group made by ``new_group``, beside
+    pipeline or tensor parallel ones); () for every rank."""
+    import torch.distributed as dist
+    group = getattr(ddp, "process_group", None)
+    if group is None or not dist.is_initialized() or group is dist.group.WORLD:
+        return ()
+    try:
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+    except (RuntimeError, ValueError, KeyError):    # not a registered group
+        return ()
+    return () if len(ranks) == dist.get_world_size() else ranks
 
 
 def _optimizer_params(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -217,7 +233,7 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
     """Sort ``objects`` (name -> registered object) into the state classes.
 
     Inferred: a DDP module (registered as the DDP wrapper or as the module it wraps) has
-    replicated parameters and per-rank buffers; a module with ``DTensor`` parameters is
+    parameters replicated over its process group's ranks and per-rank buffers; a module with ``DTensor`` parameters is
     replicated over their mesh's replicate dimension when it has one (HSDP), else sharded;
     an optimizer is replicated when every parameter it updates is a replicated module's,
     else sharded when any is a ``DTensor``; everything else is per-rank.
@@ -234,7 +250,7 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
     modules = {n: o for n, o in objects.items() if isinstance(o, torch.nn.Module)
                and not isinstance(o, DistributedDataParallel)}
     wrapped = _ddp_wrapped({n: m for n, m in modules.items() if n not in declared}) \
-        if data_parallel else set()
+        if data_parallel else {}
     out = StateClasses()
     replicated_params: set[int] = set()
     chosen: tuple[int, ...] | None = None   # the replica group, once one is found
@@ -252,15 +268,17 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
         if not isinstance(obj, torch.nn.Module):
             continue
         params = list(obj.parameters())
-        mesh_group = _mesh_replicas(params) if data_parallel else None
+        group = _mesh_replicas(params) if data_parallel else None
+        ddp = obj if isinstance(obj, DistributedDataParallel) else wrapped.get(id(obj))
         if any(_is_sharded(p) for p in params):
-            kind = "sharded" if mesh_group is None else "replicated"
-        elif isinstance(obj, DistributedDataParallel) or id(obj) in wrapped:
-            kind = "replicated"
+            kind = "sharded" if group is None else "replicated"
+        elif ddp is not None:
+            group = _ddp_replicas(ddp)
+            kind = "replicated" if len(group) != 1 else "per_rank"
         else:
             kind = "per_rank"
         kind = declared.get(name, kind)
-        if kind == "replicated" and data_parallel and not fits(mesh_group or (), name):
+        if kind == "replicated" and data_parallel and not fits(group or (), name):
             kind = "sharded" if any(_is_sharded(p) for p in params) else "per_rank"
         if kind == "replicated" and data_parallel:
             replicated_params.update(id(p) for p in obj.parameters())
@@ -283,10 +301,10 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
                                  "replicated: each rank holds only its own partition's "
                                  "state; leave it undeclared (sharded)")
         elif isinstance(obj, torch.optim.Optimizer):
-            params = list(_optimizer_params(obj))
-            if params and all(id(p) in replicated_params for p in params):
+            updated = list(_optimizer_params(obj))
+            if updated and all(id(p) in replicated_params for p in updated):
                 kind = "replicated"     # over the replicated modules' group
-            elif any(_is_sharded(p) for p in params):
+            elif any(_is_sharded(p) for p in updated):
                 kind = "sharded"
         kind = declared.get(name, kind)
         if kind == "replicated" and data_parallel \

@@ -83,11 +83,14 @@ def seed_reference(run_root: Path, *overrides: str) -> None:
 # The availability drills run on the torchrun-style DDP script (examples/ddp_phalanx.py:
 # DDP, DataLoader over a shuffling DistributedSampler with workers, epochs, evaluation,
 # a run name broadcast at set-up, an evaluation group from new_group, and each epoch left
-# after 14 of its 16 batches by ``enumerate``'s index: the spare resumes mid-epoch)
-# with a BatchNorm model whose buffers DDP broadcasts (one shared fault-free reference);
-# the others on the demo. Plain DDP through a fault: tests/integration/test_default_group_job.py.
+# after 14 of its 16 batches by ``enumerate``'s index: the spare resumes mid-epoch;
+# ``DDP(static_graph=True)``: a replacement's first iteration all-reduces every bucket at
+# the end of its backward pass while the survivors' go bucket by bucket) with a BatchNorm
+# model whose buffers DDP broadcasts (one shared fault-free reference); the others on the
+# demo. Plain DDP through a fault: tests/integration/test_default_group_job.py.
 DDP_ARGV = ('["--epochs", "3", "--sleep", "0.05", "--batchnorm", "--eval-first", '
-            '"--epoch-barrier", "--run-name", "--eval-group", "--max-batches", "14"]')
+            '"--epoch-barrier", "--run-name", "--eval-group", "--max-batches", "14", '
+            '"--static-graph"]')
 ON_DDP = {"kill_worker": DDP_ARGV, "kill_node": DDP_ARGV, "hang_worker": DDP_ARGV,
           "tier_fallback": DDP_ARGV}
 

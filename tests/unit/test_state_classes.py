@@ -14,6 +14,7 @@ from phalanx.runtime.snapshot.state_classes import (BuffersOf, GroupsOf, Optimiz
                                                     ParamsOf, classify)
 from phalanx.runtime.snapshot.state_tree import RNGState, apply_state, flatten_state
 from phalanx.runtime.worker.heal import candidates, choose_step
+from tests.unit.test_dtensor_state import fake_world
 
 
 def _model() -> torch.nn.Module:
@@ -134,3 +135,27 @@ def test_the_step_rule() -> None:
     # rank 3 applied step 6, rank 1 was lost: only step 6 has a holder in each pair
     assert choose_step([5, -1, 5, 6], [[1, 1]] * 4, [6, 5], True, pairs) is None
     assert choose_step([6, -1, 5, 6], [[1, 1]] * 4, [6, 5], True, pairs) == 6
+
+
+def test_a_ddp_module_on_a_group_of_some_ranks_is_replicated_over_those_ranks() -> None:
+    """DDP over a data-parallel group made by ``new_group`` (ranks 1 and 3 of 4, beside
+    another parallel dimension): its parameters heal only from rank 3; a DDP on the
+    default group is replicated over every rank."""
+    with fake_world(1, 4):
+        pair = dist.new_group([1, 3])
+        model = torch.nn.Linear(4, 2)
+        ddp = DistributedDataParallel(model, process_group=pair)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        classes = classify({"model": ddp, "optimizer": opt})
+        assert classes.kinds == {"model": "replicated", "optimizer": "split"}
+        assert classes.group == (1, 3)
+        inner = classify({"model": model, "optimizer": opt})      # the wrapped module
+        assert inner.group == (1, 3) and inner.kinds["model"] == "replicated"
+        everyone = torch.nn.Linear(4, 2)
+        on_world = DistributedDataParallel(everyone)
+        classes = classify({"model": on_world})
+        assert classes.kinds == {"model": "replicated"} and classes.group == ()
+        # two groups in one job: the first found is the replica group, the other per-rank
+        mixed = classify({"model": ddp, "other": on_world})
+        assert mixed.kinds == {"model": "replicated", "other": "per_rank"}
+        assert mixed.group == (1, 3)
