@@ -162,8 +162,8 @@ def _mesh_for(node: Mapping[str, Any], meshes: Sequence[DeviceMesh], path: str) 
             raise ReshardUnsupported(
                 f"the snapshot's DTensor at '{path}' is the shard at coordinate "
                 f"{node['coord']} of the {_describe_mesh(want)}, but this rank is at "
-                f"{coord} of it: a rank restores only its own shards or those of the ranks it is "
-                f"replicated with; {_FIX}")
+                f"{coord} of it: a rank restores only its own shards or those of the ranks "
+                f"it is replicated with; {_FIX}")
         return mesh
     live = "; ".join(_describe_mesh(mesh_info(m)) for m in meshes) or "no DTensor is live"
     raise ReshardUnsupported(

@@ -3,14 +3,13 @@
 - **replicated**: every rank of a *replica group* holds the same value live: the
   parameters of a ``DistributedDataParallel`` module (the group: its process group's
   ranks, every rank on the default group) or of a module declared replicated (every
-  rank), the local shards of an HSDP module (``DTensor`` s placed
-  ``Replicate()`` along some mesh dimension: the group is the ranks along it,
-  ``dtensor.replica_group``), and the state of an optimizer whose parameters are all such
-  parameters. A lost rank is healed from a survivor of its group; snapshots of it are
-  needed only when every replica is lost, so they are taken at the full-snapshot interval
-  only. A rank's replicated objects share one group (``StateClasses.group``); a module
-  replicated over another group than the first one found is sharded (DTensors) or
-  per-rank (otherwise).
+  rank), the local shards of an HSDP module (``DTensor`` s placed ``Replicate()`` along
+  some mesh dimension: the group is the ranks along it, ``dtensor.replica_group``), and
+  the state of an optimizer whose parameters are all such parameters. A lost rank is
+  healed from a survivor of its group; snapshots of it are needed only when every replica
+  is lost, so they are taken at the full-snapshot interval only. A rank's replicated
+  objects share one group (``StateClasses.group``); a module replicated over another group
+  than the first one found is sharded (DTensors) or per-rank (otherwise).
 - **sharded**: other ``DTensor`` state (FSDP2 parameters and their optimizer state) and a
   ``ZeroRedundancyOptimizer``'s partition (``runtime.snapshot.zero``): no live copy exists
   elsewhere, so it is snapshotted with the per-rank state.
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Mapping
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.runtime.snapshot.dtensor import replica_group
@@ -212,7 +212,6 @@ def _ddp_replicas(ddp: Any) -> tuple[int, ...]:
     """The ranks a DDP module's parameters are alike on: those of its process group when
     that is not the whole world (a data-parallel group made by ``new_group``, beside
     pipeline or tensor parallel ones); () for every rank."""
-    import torch.distributed as dist
     group = getattr(ddp, "process_group", None)
     if group is None or not dist.is_initialized() or group is dist.group.WORLD:
         return ()
@@ -233,10 +232,11 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
     """Sort ``objects`` (name -> registered object) into the state classes.
 
     Inferred: a DDP module (registered as the DDP wrapper or as the module it wraps) has
-    parameters replicated over its process group's ranks and per-rank buffers; a module with ``DTensor`` parameters is
-    replicated over their mesh's replicate dimension when it has one (HSDP), else sharded;
-    an optimizer is replicated when every parameter it updates is a replicated module's,
-    else sharded when any is a ``DTensor``; everything else is per-rank.
+    parameters replicated over its process group's ranks and per-rank buffers; a module
+    with ``DTensor`` parameters is replicated over their mesh's replicate dimension when it
+    has one (HSDP), else sharded; an optimizer is replicated when every parameter it
+    updates is a replicated module's, else sharded when any is a ``DTensor``; everything
+    else is per-rank.
     ``declared`` (name -> class) overrides the inference for an object (a module declared
     replicated still keeps its buffers per-rank). ``data_parallel=False`` (one rank):
     nothing is replicated."""

@@ -190,7 +190,8 @@ def send_replicated(objects: Mapping[str, Any], rank: int, holders: Sequence[int
         elif receives:
             received += _receive(part, src, broadcast)
         else:                   # a holder already has these bytes, an outsider needs none
-            _receive([torch.empty_like(t, device="cpu") for t in part], src, broadcast)
+            _receive([torch.empty_like(t, device="cpu" if t.is_meta else t.device)
+                      for t in part], src, broadcast)
     if receives:
         apply_state(objects, tensors, spec, owned=True)
     return received
