@@ -155,6 +155,16 @@ class ReplicaVerifier:
                 raise ReplicasNeverAgreed(never_agreed_message(self.names, outcome.step))
         return outcome
 
+    def collect_finished(self, wait: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+        """At the session's end: read the comparison in flight when every rank already
+        completed it (started at the last snapshot step, it mostly has), so the final
+        member record carries the newest verified step and the job's last commit is not a
+        comparison behind; never waits for a peer (one may have left)."""
+        pending = self._pending
+        if pending is None or pending[0] is None or not pending[0].is_completed():
+            return
+        self.collect(wait)
+
     def start(self, step: int, begin: Callable[[torch.Tensor], Any]) -> None:
         """After the capture of ``step``: compare the previous capture's digest (every
         rank starts this at the same snapshot steps, so the collectives line up)."""

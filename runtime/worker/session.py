@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from phalanx.configs.errors import (ConfigError, LeaseLost, MembershipUnavailable,
-                                    PeerUnreachable, StaleGeneration)
+                                    PeerUnreachable, ReplicasNeverAgreed, StaleGeneration)
 from phalanx.runtime.base import FINISHED_PREFIX, MemberRecord, per_rank_channel
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.group.default_group import (default_group, process_collective,
@@ -371,6 +371,13 @@ class Session(Rejoining):
         """Publish the last snapshot, wait for abandoned groups' teardown, leave membership
         and stop the heartbeat; the current group is dropped with the process (never
         destroyed here: that can block on a dead peer)."""
+        if self._verifier is not None and self._collective is not None:
+            try:
+                self._verifier.collect_finished(self._wait_reduce)
+            except CollectiveAborted as exc:
+                log.info("event=replica_check_final_skipped rank=%d error=%s", self.rank, exc)
+            except ReplicasNeverAgreed as exc:      # the session is over: said, not raised
+                log.error("event=replicas_never_agreed rank=%d error=%s", self.rank, exc)
         if self._collective is not None:   # nothing rolls back after the session
             self._collective.absorb_faults = False
             # torn down before "finished": no peer exits (the launcher ends the job once

@@ -163,6 +163,39 @@ def test_offers_at_agreements_verify_the_newest_capture_before_the_next_one() ->
     assert group.started == [4, 4, 4]                # the collectives lined up
 
 
+def test_the_comparison_in_flight_at_the_end_is_read_only_once_every_rank_finished_it(
+        ) -> None:
+    """A session's close reads the comparison the last snapshot step started (its final
+    member record then carries that verified step, and the job's last commit is not a
+    comparison behind); a rank that closes before a peer started it does not wait."""
+    group = FakeGroup(3)
+    snaps = [SimpleNamespace(protect_step=None, on_published=None) for _ in range(3)]
+    ranks = [ReplicaVerifier(["model"], 3, 0, snap) for snap in snaps]
+
+    class Started:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def is_completed(self) -> bool:
+            return len(group.rounds[self.index]) == group.world
+
+    def wait(work: Started, tensor: torch.Tensor) -> torch.Tensor:
+        return group.wait(work.index, tensor)
+
+    for rank, verifier in enumerate(ranks):
+        verifier.note_capture(0)
+        snaps[rank].on_published(0, {"model/w": "xxh3:0"}, SPEC)
+    ranks[0].start(1, lambda t: Started(group.begin(0)(t)))
+    ranks[0].collect_finished(wait)                 # ranks 1 and 2 have not started it
+    assert ranks[0].status().verified == -1
+    for rank in (1, 2):
+        ranks[rank].start(1, lambda t, r=rank: Started(group.begin(r)(t)))
+    for verifier in ranks:
+        verifier.collect_finished(wait)
+    assert [r.status().verified for r in ranks] == [0, 0, 0]
+    assert [s.protect_step for s in snaps] == [0, 0, 0]
+
+
 # --- the corrupt_params drill --------------------------------------------------------------
 
 CHILD = textwrap.dedent("""
