@@ -108,6 +108,7 @@ def state_copies(members: Sequence[MemberRecord],
     keepers. Empty before the ranks' first snapshot."""
     objects: dict[str, set[str]] = {}
     intervals: set[int] = set()
+    groups: set[tuple[int, ...]] = set()      # replica groups of some ranks only (HSDP)
     for member in members:
         info = member.extra.get("snapshot") or {}
         for name, kind in (info.get("classes") or {}).items():
@@ -115,6 +116,8 @@ def state_copies(members: Sequence[MemberRecord],
                 objects.setdefault(str(cls), set()).add(str(name))
         if "every_steps" in info:
             intervals.add(int(info["every_steps"]))
+        if info.get("replica_group"):
+            groups.add(tuple(int(r) for r in info["replica_group"]))
     if not objects:
         return []
     ranks = len(members)
@@ -126,7 +129,11 @@ def state_copies(members: Sequence[MemberRecord],
     every = "/".join(str(i) for i in sorted(intervals)) or "?"
     full = (f"full snapshot every {every} steps in the rank's keeper + {replicas} "
             f"replica{'s' if replicas != 1 else ''} on other nodes")
-    live = {"replicated": f"{ranks} (every rank of the data-parallel group; a lost rank "
+    sizes = "/".join(str(n) for n in sorted({len(g) for g in groups}))
+    live = {"replicated": f"{sizes} per replica group ({len(groups)} groups of the "
+                          "ranks that hold the same state; a lost rank heals from a live "
+                          "one of its group)" if groups else
+                          f"{ranks} (every rank of the data-parallel group; a lost rank "
                           "heals from a live one)",
             "sharded": "1 per shard (its rank)",
             "per_rank": "1 per rank"}

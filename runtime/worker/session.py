@@ -856,6 +856,8 @@ class Session(Rejoining):
             info["torn"] = stats.torn
         if self._classes is not None:   # known from the first capture on
             info["classes"] = dict(self._classes.kinds)
+            if self._classes.group:     # replicated over some ranks only (HSDP)
+                info["replica_group"] = list(self._classes.group)
         return {"snapshot": info}
 
     def _beat_state(self) -> tuple:

@@ -88,6 +88,13 @@ def test_the_view_says_where_each_state_class_lives() -> None:
     text = render(doc)
     assert "state by class: where its copies live" in text
     assert "every step in the rank's keeper" in text
+    # HSDP on a 2 x 8 mesh: each rank's shards are replicated on the 2 ranks of its group
+    for rank, member in members.items():
+        member.extra["snapshot"]["replica_group"] = [member.rank % 8, member.rank % 8 + 8]
+    doc = live_document({"job": "hsdp", "world_size": 16}, Path("/runs/hsdp-1"), members, 1,
+                        99, reports, [], [], GOODPUT, NOW)
+    copies = {row["class"]: row for row in doc["state_copies"]}
+    assert copies["replicated"]["live"].startswith("2 per replica group (8 groups")
 
 
 @pytest.mark.parametrize("world", [GROUP_FROM, 10_000])
