@@ -268,9 +268,10 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
         if not isinstance(obj, torch.nn.Module):
             continue
         params = list(obj.parameters())
-        group = _mesh_replicas(params) if data_parallel else None
+        sharded = any(_is_sharded(p) for p in params)
+        group = _mesh_replicas(params) if data_parallel and sharded else None
         ddp = obj if isinstance(obj, DistributedDataParallel) else wrapped.get(id(obj))
-        if any(_is_sharded(p) for p in params):
+        if sharded:
             kind = "sharded" if group is None else "replicated"
         elif ddp is not None:
             group = _ddp_replicas(ddp)
@@ -279,9 +280,9 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
             kind = "per_rank"
         kind = declared.get(name, kind)
         if kind == "replicated" and data_parallel and not fits(group or (), name):
-            kind = "sharded" if any(_is_sharded(p) for p in params) else "per_rank"
+            kind = "sharded" if sharded else "per_rank"
         if kind == "replicated" and data_parallel:
-            replicated_params.update(id(p) for p in obj.parameters())
+            replicated_params.update(id(p) for p in params)
             out.replicated[name] = ParamsOf(obj)
             buffers = BuffersOf(obj)
             if buffers:
