@@ -162,9 +162,17 @@ class Collective:
 
     def park(self, group: dist.ProcessGroup) -> None:
         """Leave ``group`` (a group of an earlier generation) to be aborted and dropped
-        with the groups the next ``form`` releases."""
+        with the groups the next ``form`` or ``release_parked`` releases. The caller drops
+        its own references before that release: the reaper thread must hold the last one,
+        or the group's destructor runs on the caller's thread when the caller drops it, and
+        blocks there until a call parked on a hung peer times out (a ``SubGroup``'s
+        training thread stalled 30 s in it, and its peer's next group never formed)."""
         self._parked.append(group)
-        if self._group is not None:      # this generation formed already: release now
+
+    def release_parked(self) -> None:
+        """Hand the parked groups to a reaper thread now, when this generation's group has
+        formed (else the next ``form`` does)."""
+        if self._group is not None:
             self._release_parked()
 
     def _release_parked(self) -> None:

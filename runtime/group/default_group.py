@@ -347,7 +347,8 @@ class SubGroup(_Forwarding):
             return self._formed[1]
         if self._formed is not None:
             collective.park(self._formed[1])
-            self._formed = None
+            self._formed = None          # no reference left here: the reaper drops it
+            collective.release_parked()
         try:
             group = collective.form_subgroup(f"sub/{self._name}", self.rank(), self.size(),
                                              self._timeout_s)

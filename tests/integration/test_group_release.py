@@ -5,6 +5,7 @@ is aborted once the next group formed, without faulting the new generation."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Callable
 
@@ -95,3 +96,77 @@ def test_a_call_parked_on_a_hung_peer_is_released_without_faulting_the_next_gene
     assert rank0["summed"] == rank1["summed"] == [2.0] * 4
     assert rank0["released_s"] < 5.0
     print(f"parked call released {rank0['released_s']:.3f} s after the re-form began")
+
+
+def _subgroup_parked_on_a_hung_peer(rank: Rank) -> dict:
+    """A group made by ``new_group`` (a DDP's group of some ranks) with a call of generation
+    0 parked on a hung peer: its first call of generation 1 forms its new group at once."""
+    collective = Collective(rank.connect, rank=rank.rank, world_size=2, timeout_s=30.0)
+    rank.keep(collective)
+    store = rank.connect()
+    collective.form(0)
+    default = DefaultGroup(collective, skip_setup=False)
+    sub = default.new_group([0, 1])
+    assert sub is not None
+    sub.allreduce([torch.ones(2)]).wait()            # generation 0's subgroup formed
+    if rank.rank == 1:
+        rank.await_signal("rank0-parked", store)
+    else:
+        work = sub.allreduce([torch.ones(4)])         # rank 1 never joins it
+        rank.keep(work)
+        time.sleep(0.1)
+        assert not work.is_completed()
+        rank.signal("rank0-parked", store)
+    collective.abandon()
+    collective.form(1)
+    started = time.monotonic()
+    summed = torch.ones(4)
+    sub.allreduce([summed]).wait()
+    return {"summed": summed.tolist(), "seconds": time.monotonic() - started}
+
+
+@pytest.mark.timeout(120)
+def test_a_subgroup_re_forms_at_once_after_a_call_parked_on_a_hung_peer() -> None:
+    """The old subgroup is dropped by the reaper thread, not by the training thread: there
+    its destructor waited for the parked call's 30 s timeout, the peer's new subgroup did
+    not form within its own timeout, and a job with DDP on ``new_group`` groups failed its
+    recovery (GroupNotReformed)."""
+    rank0, rank1 = on_ranks(_subgroup_parked_on_a_hung_peer)
+    assert rank0["summed"] == rank1["summed"] == [2.0] * 4
+    assert rank0["seconds"] < 10.0 and rank1["seconds"] < 10.0, (rank0, rank1)
+
+
+class _Probe:
+    """Stands for a parked gloo group: records the thread its last reference died on."""
+
+    def __init__(self, seen: list[str]) -> None:
+        self._seen = seen
+
+    def abort(self) -> None:
+        pass
+
+    def __del__(self) -> None:
+        self._seen.append(threading.current_thread().name)
+
+
+def _last_reference_on_the_reaper(rank: Rank) -> dict:
+    collective = Collective(rank.connect, rank=rank.rank, world_size=2, timeout_s=20.0)
+    rank.keep(collective)
+    collective.form(0)
+    seen: list[str] = []
+    held = [_Probe(seen)]
+    collective.park(held[0])
+    time.sleep(0.2)          # a reaper started by park itself has long finished here
+    held.clear()             # the caller drops its reference ...
+    collective.release_parked()     # ... before the reaper is handed the group
+    assert _settled(lambda: bool(seen), 5.0)
+    return {"dropped_on": seen}
+
+
+@pytest.mark.timeout(60)
+def test_a_parked_group_is_dropped_on_the_reaper_thread() -> None:
+    """The caller's references go before the reaper starts, so the reaper drops the last
+    one: a gloo group's destructor waits for a call parked on a hung peer (up to its 30 s
+    timeout), and on the training thread it stalled a SubGroup's re-form."""
+    for seen in on_ranks(_last_reference_on_the_reaper):
+        assert seen["dropped_on"] == ["phalanx-group-reaper-gen0"], seen
