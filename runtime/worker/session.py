@@ -185,6 +185,7 @@ class Session(Rejoining):
         # while a restored epoch's top runs again: the per-rank state to set back where the
         # restored pass resumes (see _enter_restored_top); None otherwise
         self._top_state: dict[str, tuple[Any, Any]] | None = None
+        self._batch_in_hand = False     # a registered loader fetched the next step's batch
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Session":
@@ -275,7 +276,8 @@ class Session(Rejoining):
         if names:
             self._verifier = ReplicaVerifier(names, ctx.world_size, ctx.generation,
                                              self._snapshotter,
-                                             per_rank_tensors(self._objects, names))
+                                             per_rank_tensors(self._objects, names),
+                                             lambda: self._state_classes().group)
         for obj in self._objects.values():
             self._hook_optimizer(obj)
 
@@ -583,6 +585,7 @@ class Session(Rejoining):
         if self._top_state is not None and not self._restored_pass_waiting():
             self._leave_restored_top()
         self._recover_if_faulted()
+        self._batch_in_hand = True      # until the step that takes it starts
 
     def _restored_tail(self) -> int | None:
         """The restored epoch whose tail the epoch body just ran, if a restore moved a
@@ -610,6 +613,21 @@ class Session(Rejoining):
             fault = f"generation {watcher.latest} began while this rank ran no collective"
         if fault is not None and watcher is not None:
             self._recover(fault)
+
+    def _refuse_step_if_faulted(self) -> None:
+        """At a step's start, with the batch a registered loader handed out for it before
+        this rank noticed a newer generation: the step runs on that batch with its
+        collectives refused (no-op results, the optimizer step refused) and recovers at its
+        end, as a step a peer died in does. Recovering here ran the step on that batch as
+        the restored step, since the restored pass of the loader starts at its next fetch:
+        a rank of one DDP group, training apart from another group (its steps ahead), took
+        a batch of the pass it left, then one more batch than its peer, and their
+        all-reduces met other calls until the group timeout."""
+        watcher = self._watcher
+        if self._collective is not None and watcher is not None \
+                and self._group_fault() is None and watcher.newer_than(self.generation):
+            self._collective.mark_fault(
+                f"generation {watcher.latest} began after this step's batch was fetched")
 
     @contextmanager
     def step(self) -> Iterator[int]:
@@ -659,7 +677,11 @@ class Session(Rejoining):
             self._capture_per_rank()
             if self._verifier is not None:
                 self._verifier.note_capture(self._progress.step_index)
-        self._recover_if_faulted()      # a failed collective or a new generation since
+        if self._batch_in_hand:         # fetched before a fault this rank notices now
+            self._refuse_step_if_faulted()
+        else:
+            self._recover_if_faulted()  # a failed collective or a new generation since
+        self._batch_in_hand = False
         if self._progress.step_index in self.context.drill_gates:
             self._hold_at_gate(self._progress.step_index)
         started = time.perf_counter()
