@@ -382,8 +382,10 @@ class DetectionConfig:
                               "at once instead of after Ray's health checks", True)
     compare_replicas: bool = doc(
         "silent data corruption: at every snapshot step the ranks compare a digest of the "
-        "checksums of their replicated state (replicated_state) in one small all-reduce; a "
-        "rank that differs from the others is repaired from a healthy peer and every rank "
+        "checksums of their replicated state (replicated_state) in one small all-reduce, "
+        "within each replica group (every rank under DDP; the ranks of a DDP's `new_group` "
+        "group, of an HSDP replica); a rank that differs from the others of its group is "
+        "repaired from a healthy peer of that group and every rank "
         "rolls back to the newest step that agreed (kept in the keepers until a newer one "
         "agrees); the commit point advances only over agreeing steps. Needs "
         "snapshot.slots >= 3", True)

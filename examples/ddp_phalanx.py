@@ -73,6 +73,10 @@ def parse_args():
     parser.add_argument("--static-graph", action="store_true",
                         help="DDP(static_graph=True), as scripts with activation "
                              "checkpointing use")
+    parser.add_argument("--ddp-groups", type=int, default=1,
+                        help="split the ranks into this many data-parallel groups "
+                             "(dist.new_group), each training a model of its own, as "
+                             "pipeline stages or an ensemble do")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--out", default="", help="write the final hash to OUT.rank<r>")
     return parser.parse_args()
@@ -112,16 +116,23 @@ def main():
         dist.broadcast_object_list(name, src=0)
         print(f"rank {dist.get_rank()} run name {name[0]}", flush=True)
     eval_group = dist.new_group() if args.eval_group else None
-    torch.manual_seed(0)
+    size = dist.get_world_size() // args.ddp_groups    # ranks per data-parallel group
+    ddp_groups = [dist.new_group(list(range(g * size, (g + 1) * size)))
+                  for g in range(args.ddp_groups)] if args.ddp_groups > 1 else [None]
+    index = dist.get_rank() // size                     # this rank's group
+    torch.manual_seed(index)
     data = Regression(args.samples, seed=1)
-    sampler = DistributedSampler(data, shuffle=True, seed=2)
+    sampler = DistributedSampler(data, num_replicas=size, rank=dist.get_rank() % size,
+                                 shuffle=True, seed=2)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
                         num_workers=args.workers, persistent_workers=args.persistent_workers)
     test_loader = DataLoader(Regression(64, seed=3), batch_size=32)
-    model = DDP(make_model(args.batchnorm), static_graph=args.static_graph)
+    model = DDP(make_model(args.batchnorm), process_group=ddp_groups[index],
+                static_graph=args.static_graph)
     if args.zero:
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD,
-                                            lr=args.lr, momentum=0.9)
+                                            process_group=ddp_groups[index], lr=args.lr,
+                                            momentum=0.9)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)

@@ -57,11 +57,20 @@ class FaultKind(enum.Enum):
 class Corruption:
     """What cross-replica verification found: the ranks' replica digests at the first
     ``step`` they disagreed, and ``verified_step``, the newest step whose digests agreed on
-    every rank (each keeper holds it; the run rolls back no later than it)."""
+    every rank (each keeper holds it; the run rolls back no later than it); ``groups``
+    the replica groups the digests were compared within ((): one group of every rank)."""
 
     step: Step
     verified_step: Step
     digests: tuple[tuple[Rank, str], ...]
+    groups: tuple[tuple[Rank, ...], ...] = ()
+
+    def peers_of(self, rank: Rank) -> frozenset[Rank] | None:
+        """The ranks holding the same replicated state as ``rank`` (None: every rank)."""
+        for group in self.groups:
+            if rank in group:
+                return frozenset(group)
+        return None
 
 
 @dataclass(frozen=True)

@@ -90,13 +90,16 @@ class WorkerRaised:
 class SilentCorruption:
     """Every rank found (in-band, ``detection.compare_replicas``) that the replica digests of
     ``step`` differ across ranks; ``digests`` (rank, digest) as each rank published its
-    own, ``verified_step`` the newest step that agreed, ``generation`` the one it ran in."""
+    own, ``verified_step`` the newest step that agreed, ``generation`` the one it ran in,
+    ``groups`` the replica groups digests are compared within (ranks ascending; (): one
+    group of every rank)."""
 
     step: Step
     verified_step: Step
     digests: tuple[tuple[Rank, str], ...]
     generation: int
     observed_at: float
+    groups: tuple[tuple[Rank, ...], ...] = ()
 
 
 Signal: TypeAlias = (ActorDied | NodeLost | KeeperLeaseExpired | CollectiveError | Progress
@@ -203,13 +206,24 @@ def compare_digests(digests: Mapping[Rank, str]) -> tuple[str | None, tuple[Rank
 
 
 def corruption_report(signal: SilentCorruption, at: float) -> FaultReport:
-    """The SILENT_CORRUPTION report of ``signal``: the ranks outside the majority."""
-    majority, ranks = compare_digests(dict(signal.digests))
+    """The SILENT_CORRUPTION report of ``signal``: the ranks outside their replica group's
+    majority (each group votes alone: groups hold different state)."""
+    digests = dict(signal.digests)
+    ranks: list[Rank] = []
+    majorities: list[str] = []
+    for group in signal.groups or (tuple(sorted(digests)),):
+        majority, differ = compare_digests({r: digests[r] for r in group if r in digests})
+        if differ:
+            ranks.extend(differ)
+            majorities.append(majority or "none")
+    ranks.sort()
     differing = ", ".join(f"rank {r}: {d}" for r, d in signal.digests if r in ranks)
     evidence = (f"replica digests of step {signal.step} differ ({differing}; majority "
-                f"{majority or 'none'}); newest agreeing step {signal.verified_step}")
-    return FaultReport(FaultKind.SILENT_CORRUPTION, ranks, None, at, evidence,
-                       Corruption(signal.step, signal.verified_step, signal.digests))
+                f"{', '.join(majorities) or 'none'}); newest agreeing step "
+                f"{signal.verified_step}")
+    return FaultReport(FaultKind.SILENT_CORRUPTION, tuple(ranks), None, at, evidence,
+                       Corruption(signal.step, signal.verified_step, signal.digests,
+                                  signal.groups))
 
 
 def _add_worker(table: _Earliest[Rank], world: WorldView, worker: WorkerId, kind: FaultKind,

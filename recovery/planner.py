@@ -245,25 +245,30 @@ def _verified(world: WorldView, faults: Sequence[FaultReport]) -> WorldView:
 
 def _repairs(faults: Sequence[FaultReport], world: WorldView, damage: _Damage,
              replicas: ReplicaMap, step: Step) -> list[RepairFromPeer]:
-    """A healthy peer for each corrupted rank that keeps its worker: a rank outside every
-    corruption report whose own (healthy) node keeper holds ``step``, the least used
-    first, then the lowest rank. None when no rank is healthy (2 ranks, no majority):
-    each rank then keeps its own state of ``step``, which agreed with its peers."""
+    """A healthy peer for each corrupted rank that keeps its worker: a rank of its replica
+    group (``Corruption.groups``; every rank without groups) outside every corruption
+    report whose own (healthy) node keeper holds ``step``, the least used first, then the
+    lowest rank. None when no rank of its group is healthy (2 ranks, no majority): the
+    rank then keeps its own state of ``step``, which agreed with its peers."""
     suspects = {r for f in faults if f.corruption is not None for r in f.ranks}
     if not suspects:        # no corruption: nothing to repair (no O(world) scan)
         return []
+    groups = [f.corruption for f in faults if f.corruption is not None]
     lost = set(damage.lost)
-    heap: list[tuple[int, Rank, NodeId]] = []
-    for r in range(world.world_size):
-        rank, node = Rank(r), world.node_of(Rank(r))
-        if rank not in suspects and rank not in lost and node in damage.healthy \
-                and step in replicas.steps_held(rank, node):
-            heap.append((0, rank, node))
-    heapq.heapify(heap)
+    heaps: dict[frozenset[Rank] | None, list[tuple[int, Rank, NodeId]]] = {}
     repairs = []
     for rank in sorted(suspects - lost):
+        peers = next((p for c in groups if (p := c.peers_of(rank)) is not None), None)
+        if peers not in heaps:
+            candidates = sorted(peers) if peers is not None else range(world.world_size)
+            heaps[peers] = [(0, Rank(r), node) for r in candidates
+                            if r not in suspects and r not in lost
+                            and (node := world.node_of(Rank(r))) in damage.healthy
+                            and step in replicas.steps_held(Rank(r), node)]
+            heapq.heapify(heaps[peers])
+        heap = heaps[peers]
         if not heap:
-            break
+            continue
         used, peer, node = heapq.heappop(heap)
         repairs.append(RepairFromPeer(rank, peer, node, step))
         heapq.heappush(heap, (used + 1, peer, node))

@@ -6,7 +6,7 @@ majority vote that names the corrupted rank(s)."""
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from phalanx.configs.errors import ReplicasNeverAgreed
 from phalanx.recovery.detection import SilentCorruption
@@ -37,7 +37,20 @@ def corruption_signal(records: Iterable[MemberRecord], world_size: int,
     step, generation = places.pop()
     digests = tuple(sorted((Rank(rank), d[1]) for rank, (d, _) in diverged.items() if d is not None))
     verified = max(s.verified for s, _ in found.values())
-    return SilentCorruption(Step(step), Step(verified), digests, generation, now)
+    return SilentCorruption(Step(step), Step(verified), digests, generation, now,
+                            replica_groups({rank: s.group for rank, (s, _) in found.items()}))
+
+
+def replica_groups(groups: Mapping[int, tuple[int, ...]]) -> tuple[tuple[Rank, ...], ...]:
+    """The replica groups the ranks compared their digests within (each rank's published
+    group; () for every rank: the ranks that published () form one group), sorted; () when
+    every rank compared with every rank."""
+    found: dict[tuple[int, ...], list[int]] = {}
+    for rank, group in groups.items():
+        found.setdefault(tuple(sorted(group)) if group else (), []).append(rank)
+    if set(found) == {()}:
+        return ()
+    return tuple(sorted(tuple(Rank(r) for r in sorted(ranks)) for ranks in found.values()))
 
 
 class ReplicaCheck:

@@ -14,16 +14,24 @@ parameters and their optimizer state) holds a different shard on each rank, so i
 shard is left out and its spec node is compared without the rank's mesh coordinate. An
 FSDP2 job's digests then cover only its structure and agree, and its commit point moves on.
 
+Replicated state is alike within its replica group only: every rank in a plain DDP job,
+but each group's ranks alone when DDP runs on ``dist.new_group`` groups that train models
+of their own (pipeline stages, an ensemble) or in HSDP
+(``phalanx.runtime.snapshot.state_classes``). Digests are compared within each group.
+
 Comparing without gathering every digest: each rank contributes
 
-    [1, s0, s1, s2, d0, d1, d2, s0², s1², s2², d0², d1², d2²]
+    [1, s0, s1, s2, s0², s1², s2²]  then one slot per possible group
+    [1, d0, d1, d2, d0², d1², d2²]  in the slot of its group (its lowest rank; 0 for a
+                                    group of every rank), zeros in the others
 
 (``s*`` the 20-bit chunks of the step, ``d*`` those of the digest; zeros when it has no
-digest to offer) and the all-reduce sums them. Values v_1..v_W are all equal exactly when
-W·Σv² = (Σv)² (Cauchy-Schwarz), so from the sums every rank reads the same outcome:
-``agreed`` at the step, ``diverged`` at the step, or ``unknown`` (a rank had no digest, or
-the ranks offered different steps). Sums stay below W·2^40: exact in int64 for any world
-size under 2^23.
+digest to offer) and the all-reduce sums them. Values v_1..v_n are all equal exactly when
+n·Σv² = (Σv)² (Cauchy-Schwarz), so from the sums every rank reads the same outcome:
+``agreed`` at the step (every group's digests equal), ``diverged`` at the step (some
+group's differ), or ``unknown`` (a rank had no digest, or the ranks offered different
+steps). Sums stay below W·2^40: exact in int64 for any world size under 2^23. The vector
+has 7·(W + 1) integers: 57 KB at W = 1,024, reduced in the background of the steps.
 """
 from __future__ import annotations
 
@@ -38,7 +46,7 @@ REPLICAS_EXTRA = "replicas"      # the member record's ``extra`` key the session
 CHUNK_BITS = 20
 CHUNKS = 3                       # 60 bits of step and of digest
 DIGEST_BITS = CHUNK_BITS * CHUNKS
-VECTOR_LEN = 1 + 4 * CHUNKS
+PART = 1 + 2 * CHUNKS            # [count, chunks, squares]: the step's part, and each slot
 _MASK = (1 << CHUNK_BITS) - 1
 
 
@@ -96,12 +104,34 @@ def _chunks(value: int) -> list[int]:
     return [(value >> (CHUNK_BITS * i)) & _MASK for i in range(CHUNKS)]
 
 
-def agreement_vector(step: int | None, digest: str | None) -> list[int]:
-    """What one rank adds to the comparison of ``step``: zeros when it has no digest."""
+def vector_len(slots: int) -> int:
+    """The comparison vector's length with ``slots`` group slots."""
+    return PART * (1 + slots)
+
+
+def group_slot(group: Sequence[int]) -> int:
+    """The slot of a rank's replica group (``StateClasses.group``): its lowest rank; 0 for
+    a group of every rank."""
+    return min(group) if group else 0
+
+
+def _part(values: Sequence[int]) -> list[int]:
+    return [1, *values, *(v * v for v in values)]
+
+
+def agreement_vector(step: int | None, digest: str | None, slots: int = 1,
+                     slot: int = 0) -> list[int]:
+    """What one rank adds to the comparison of ``step``: zeros when it has no digest;
+    ``slots`` the same on every rank (the world size), ``slot`` its group's."""
+    vector = [0] * vector_len(slots)
     if step is None or digest is None:
-        return [0] * VECTOR_LEN
-    values = _chunks(step) + _chunks(int(digest, 16))
-    return [1] + values + [v * v for v in values]
+        return vector
+    if not 0 <= slot < slots:
+        raise ValueError(f"group slot {slot} outside 0..{slots - 1}")
+    vector[:PART] = _part(_chunks(step))
+    at = PART * (1 + slot)
+    vector[at:at + PART] = _part(_chunks(int(digest, 16)))
+    return vector
 
 
 @dataclass(frozen=True)
@@ -112,33 +142,41 @@ class Agreement:
     step: int = -1
 
 
-def read_agreement(sums: Sequence[int], world_size: int) -> Agreement:
+def _equal(part: Sequence[int]) -> bool:
+    """Whether the ``part[0]`` values summed into ``part`` were all equal."""
+    count, plain, squares = int(part[0]), part[1:1 + CHUNKS], part[1 + CHUNKS:]
+    return all(count * int(q) == int(v) * int(v) for v, q in zip(plain, squares))
+
+
+def read_agreement(sums: Sequence[int], world_size: int, slots: int = 1) -> Agreement:
     """The outcome of the all-reduce of ``agreement_vector``s over ``world_size`` ranks."""
-    if len(sums) != VECTOR_LEN or int(sums[0]) != world_size or world_size < 1:
+    if len(sums) != vector_len(slots) or int(sums[0]) != world_size or world_size < 1:
         return Agreement("unknown")
-    plain, squares = sums[1:1 + 2 * CHUNKS], sums[1 + 2 * CHUNKS:]
-    equal = [world_size * int(q) == int(s) * int(s) for s, q in zip(plain, squares)]
-    if not all(equal[:CHUNKS]):           # ranks offered different steps
+    if not _equal(sums[:PART]):           # ranks offered different steps
         return Agreement("unknown")
-    step = sum((int(s) // world_size) << (CHUNK_BITS * i) for i, s in enumerate(plain[:CHUNKS]))
-    return Agreement("agreed" if all(equal[CHUNKS:]) else "diverged", step)
+    step = sum((int(s) // world_size) << (CHUNK_BITS * i) for i, s in enumerate(sums[1:1 + CHUNKS]))
+    parts = [sums[at:at + PART] for at in range(PART, len(sums), PART)]
+    agreed = all(_equal(part) for part in parts if int(part[0]))
+    return Agreement("agreed" if agreed else "diverged", step)
 
 
 @dataclass(frozen=True)
 class ReplicaStatus:
     """One rank's published view (member record ``extra["replicas"]``): the newest step
-    verified job-wide, its recent (step, digest) pairs, and a divergence it found (step,
-    its own digest there, the generation it ran in), if any."""
+    verified job-wide, its recent (step, digest) pairs, a divergence it found (step, its
+    own digest there, the generation it ran in), if any, and the ranks its digests are
+    compared with (its replica group; (): every rank)."""
 
     verified: int
     recent: tuple[tuple[int, str], ...] = ()
     diverged: tuple[int, str, int] | None = None
+    group: tuple[int, ...] = ()
 
     def to_extra(self) -> dict[str, Any]:
         diverged = None if self.diverged is None else {
             "step": self.diverged[0], "digest": self.diverged[1], "generation": self.diverged[2]}
         return {"verified": self.verified, "recent": [list(p) for p in self.recent],
-                "diverged": diverged}
+                "diverged": diverged, "group": list(self.group)}
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> "ReplicaStatus | None":
@@ -151,9 +189,10 @@ class ReplicaStatus:
             found = raw.get("diverged")
             diverged = None if not isinstance(found, Mapping) else (
                 int(found["step"]), str(found["digest"]), int(found["generation"]))
+            group = tuple(int(r) for r in raw.get("group") or ())
         except (KeyError, TypeError, ValueError):
             return None
-        return cls(raw["verified"], recent, diverged)
+        return cls(raw["verified"], recent, diverged, group)
 
 
 def verified_ceiling(extras: Iterable[Mapping[str, Any]]) -> int | None:

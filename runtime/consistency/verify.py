@@ -48,8 +48,8 @@ from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.snapshot.spec_names import escape_segment
 from phalanx.runtime.snapshot.zero import is_zero
 from phalanx.runtime.consistency.digest import (Agreement, ReplicaStatus, agreement_vector,
-                                                never_agreed_message, read_agreement,
-                                                replica_digest)
+                                                group_slot, never_agreed_message,
+                                                read_agreement, replica_digest)
 
 log = logging.getLogger(__name__)
 RECENT = 4           # (step, digest) pairs a member record carries
@@ -104,9 +104,12 @@ class ReplicaVerifier:
     heartbeat thread. ``snapshotter`` needs ``protect_step`` and ``on_published``."""
 
     def __init__(self, names: Sequence[str], world_size: int, generation: int,
-                 snapshotter: Any, per_rank: AbstractSet[str] = frozenset()) -> None:
+                 snapshotter: Any, per_rank: AbstractSet[str] = frozenset(),
+                 group: Callable[[], Sequence[int]] = tuple) -> None:
         self.names = tuple(names)
         self.per_rank = frozenset(per_rank)
+        self._group = group         # the rank's replica group (read at each comparison)
+        self._compared: tuple[int, ...] = ()
         self._world_size = world_size
         self._generation = generation
         self._snapshotter = snapshotter
@@ -139,7 +142,7 @@ class ReplicaVerifier:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        outcome = read_agreement(wait(*pending).tolist(), self._world_size)
+        outcome = read_agreement(wait(*pending).tolist(), self._world_size, self._world_size)
         if outcome.state == "agreed" and self._diverged is None \
                 and outcome.step > self._verified:
             self._verified = outcome.step
@@ -186,7 +189,9 @@ class ReplicaVerifier:
         """Start the comparison of ``step``'s digest (zeros when there is none yet)."""
         with self._lock:
             digest = None if step is None else self._digests.get(step)
-        vector = torch.tensor(agreement_vector(step, digest), dtype=torch.int64)
+        self._compared = tuple(self._group())
+        vector = torch.tensor(agreement_vector(step, digest, self._world_size,
+                                               group_slot(self._compared)), dtype=torch.int64)
         self._pending = (begin(vector), vector)
 
     def note_capture(self, step: int) -> None:
@@ -215,4 +220,5 @@ class ReplicaVerifier:
 
     def status(self) -> ReplicaStatus:
         with self._lock:
-            return ReplicaStatus(self._verified, tuple(self._recent), self._diverged)
+            return ReplicaStatus(self._verified, tuple(self._recent), self._diverged,
+                                 self._compared)

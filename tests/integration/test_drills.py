@@ -286,6 +286,36 @@ DEEPER = {"kill_worker": check_kill_worker, "hang_worker": check_hang_worker,
 
 
 @pytest.mark.timeout(600)
+def test_ddp_groups_training_models_of_their_own_compare_and_recover_apart(
+        run_root: Path, tmp_path: Path) -> None:
+    """DDP on two dist.new_group groups (ranks 0-1 and 2-3), each training a model of its
+    own, as pipeline stages or an ensemble do: replica digests are compared within each
+    group (compared across all four, the groups' different models failed the job at step 2
+    with ReplicasNeverAgreed), so the commit point advances; a killed rank's groups are
+    steps apart, so the recovery falls back to the full snapshots, bit-identical."""
+    scenario = tmp_path / "groups.yaml"
+    scenario.write_text(yaml.safe_dump({
+        "name": "groups", "faults": [{"kind": "kill_worker", "target": {"rank": 1},
+                                      "trigger": {"at_step": 20}}],
+        "expect": {"final_state": "identical", "max_recovery_s": 10}}))
+    argv = ('["--epochs", "2", "--sleep", "0.05", "--ddp-groups", "2", "--max-batches", '
+            '"20"]')
+    result = drill("run", str(scenario), "--verify", "--config", "configs/ddp.yaml", "--set",
+                   f"job.argv={argv}", run_root=run_root)
+    assert result.returncode == 0, result.stderr[-5000:]
+    report = report_of(result)
+    assert report["passed"], report["checks"]
+    run = Run(Path(report["run"]["run_dir"]), result.stderr)
+    logs = "".join(run.logs().values())
+    assert logs.count("replica_group=[0, 1]") >= 2 and logs.count("replica_group=[2, 3]") >= 2
+    assert "ReplicasNeverAgreed" not in result.stderr and "sdc_signal" not in result.stderr
+    assert "replicas_diverged" not in logs
+    committed = [e["step"] for e in run.named("tier_committed")]
+    assert committed and max(committed) > 0, "no step's digests agreed: nothing committed"
+    assert len(run.named("recovered")) == 1
+
+
+@pytest.mark.timeout(600)
 def test_a_broken_expectation_fails_with_a_clear_line(run_root: Path, tmp_path: Path) -> None:
     """Snapshots every 10 steps, no heal from peers and a kill after step 21: the rollback
     recomputes steps, so ``max_lost_steps: 0`` cannot hold and the drill must say so and

@@ -4,6 +4,7 @@ its classification and the planner's rollback-and-repair, and the commit gate.""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 
 from phalanx.configs.errors import ReplicasNeverAgreed
 from phalanx.launcher.coordination.commit_tracker import CommitTracker
-from phalanx.launcher.coordination.replica_check import ReplicaCheck, corruption_signal
+from phalanx.launcher.coordination.replica_check import (ReplicaCheck, corruption_signal,
+                                                         replica_groups)
 from phalanx.recovery.base import (FaultKind, RepairFromPeer, RecoveryPlan, ReplicaMap,
                                    RestoreFromKeeper, Rollback, SpareInventory, TierInventory,
                                    WorldView)
@@ -22,8 +24,9 @@ from phalanx.runtime.base import MemberRecord
 from phalanx.runtime.commit import KeeperReport, gate
 from phalanx.runtime.keeper.reporter import KEEPERS
 from tests.fakes.membership_memory import InMemoryMembership, InMemoryStore
-from phalanx.runtime.consistency.digest import (REPLICAS_EXTRA, ReplicaStatus, agreement_vector,
-                                                read_agreement, replica_digest, verified_ceiling)
+from phalanx.runtime.consistency.digest import (REPLICAS_EXTRA, Agreement, ReplicaStatus,
+                                                agreement_vector, group_slot, read_agreement,
+                                                replica_digest, verified_ceiling)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -105,6 +108,52 @@ def test_agreement_is_exact_for_any_digests(world: int, step: int, digest: int, 
     expected = "agreed" if other == digest else "diverged"
     assert read_agreement(summed(vectors), world).state == expected
     assert max(summed(vectors)) < 2**63                 # fits the int64 all-reduce
+
+
+def test_digests_are_compared_within_each_replica_group() -> None:
+    """DDP on dist.new_group groups [0, 1] and [2, 3], each training a model of its own:
+    the groups' digests differ by construction, ranks within a group must agree."""
+    def vector(rank: int, digest: str, step: int = 7) -> list[int]:
+        return agreement_vector(step, digest, slots=4, slot=group_slot((0, 1) if rank < 2
+                                                                          else (2, 3)))
+    two_models = [vector(0, "a"), vector(1, "a"), vector(2, "b"), vector(3, "b")]
+    assert read_agreement(summed(two_models), 4, slots=4) == Agreement("agreed", 7)
+    one_corrupted = two_models[:3] + [vector(3, "c")]
+    assert read_agreement(summed(one_corrupted), 4, slots=4) == Agreement("diverged", 7)
+    every_rank = [agreement_vector(7, d, slots=4, slot=group_slot(())) for d in "aabb"]
+    assert read_agreement(summed(every_rank), 4, slots=4).state == "diverged"
+    late = two_models[:3] + [agreement_vector(None, None, slots=4, slot=2)]
+    assert read_agreement(summed(late), 4, slots=4).state == "unknown"
+    assert read_agreement(summed(two_models), 4, slots=1).state == "unknown"   # lengths
+    with pytest.raises(ValueError, match="slot 4"):
+        agreement_vector(7, "a", slots=4, slot=4)
+
+
+def test_each_replica_group_votes_alone_and_repairs_from_its_own_ranks() -> None:
+    groups = {0: (0, 1, 2), 1: (0, 1, 2), 2: (0, 1, 2), 3: (3, 4, 5), 4: (3, 4, 5),
+              5: (3, 4, 5)}
+    digests = {0: "a", 1: "a", 2: "a", 3: "b", 4: "x", 5: "b"}
+    records = [member(r, ReplicaStatus(19, (), (21, digests[r], 2), groups[r]), 2)
+               for r in range(6)]
+    signal = corruption_signal(records, 6, now=5.0)
+    assert signal is not None and signal.groups == ((0, 1, 2), (3, 4, 5))
+    six = replace(world(), world_size=6, rank_workers={r: f"w{r}" for r in range(6)},
+                  worker_nodes={f"w{r}": f"n{r % 2}" for r in range(6)})
+    [report] = classify([signal], six, now=6.0)
+    assert report.ranks == (4,)            # not ranks 3-5: a majority of all six holds "a"
+    assert "majority b" in report.evidence
+    replicas = ReplicaMap.of({r: {f"n{r % 2}": (19, 21)} for r in range(6)})
+    result = plan_recovery([report], six, replicas, TierInventory({}), SpareInventory({}),
+                           RecoveryPolicy(), 7.0)
+    assert result.of_type(RepairFromPeer) == [RepairFromPeer(4, 3, "n1", 19)]
+    assert replica_groups({0: (), 1: ()}) == ()
+    assert replica_groups({0: (0, 1), 1: (1, 0), 2: (2,)}) == ((0, 1), (2,))
+
+
+def test_the_published_status_carries_the_replica_group() -> None:
+    status = ReplicaStatus(4, ((4, "d"),), None, (2, 3))
+    assert ReplicaStatus.from_extra({REPLICAS_EXTRA: status.to_extra()}) == status
+    assert ReplicaStatus.from_extra({REPLICAS_EXTRA: {"verified": 4}}) == ReplicaStatus(4)
 
 
 # --- published status and the commit gate -----------------------------------------------
