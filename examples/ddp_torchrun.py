@@ -64,6 +64,9 @@ def parse_args():
     parser.add_argument("--run-name", action="store_true",
                         help="rank 0 names the run and broadcasts the name "
                              "(broadcast_object_list), as scripts share a name, seed or config")
+    parser.add_argument("--epoch-plan", action="store_true",
+                        help="rank 0 sends each epoch's plan (its learning rate) to every "
+                             "rank with broadcast_object_list at the epoch's top")
     parser.add_argument("--eval-group", action="store_true",
                         help="the evaluation all-reduces over a group made by dist.new_group")
     parser.add_argument("--max-batches", type=int, default=0,
@@ -140,6 +143,11 @@ def main():
             start_loss = evaluate(model, test_loader, eval_group)
             if dist.get_rank() == 0:
                 print(f"epoch {epoch} starts at test loss {start_loss:.5f}", flush=True)
+        if args.epoch_plan:
+            plan = [{"epoch": epoch, "lr": scheduler.get_last_lr()[0]}
+                    if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(plan, src=0)
+            print(f"rank {dist.get_rank()} epoch {epoch} plan {plan[0]}", flush=True)
         if args.epoch_barrier:
             dist.barrier()                      # every rank starts the epoch together
             batches = torch.tensor([float(len(loader))])

@@ -42,7 +42,7 @@ from torch.futures import Future
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.group.process_group import connect_store
-from phalanx.runtime.group.setup_record import SetupRecord
+from phalanx.runtime.group.setup_record import SETUP, SetupRecord
 from phalanx.runtime.membership.etcd import EtcdMembership, client_options, job_prefix
 from phalanx.runtime.membership.generation import GenerationWatcher
 
@@ -132,6 +132,7 @@ class _Forwarding(dist.ProcessGroup):
         self._pending: dict[int, tuple[Future, Any, int, int | None]] = {}
         self._tokens = itertools.count()
         self._setup = SetupRecord(lambda: collective.store, name, collective.rank)
+        self._in_ddp_forward = False     # a DistributedDataParallel forward runs (_patch_ddp)
         # why collectives are answered locally, if they are: "setup" (a joining rank, until
         # its Session started) or "epoch_top" (DefaultGroup.answer_epoch_top_locally)
         self._answering: str | None = None
@@ -185,11 +186,15 @@ class _Forwarding(dist.ProcessGroup):
     def _forward(self, name: str, noop_at: int, *args: Any) -> dist.Work:
         collective = self._collective
         noop = args[noop_at] if noop_at >= 0 else []
-        call = self._setup.number()
+        # DDP's own calls in a forward (its buffer broadcast) are not an epoch top's to
+        # keep: whether a forward makes one differs between a survivor and a replacement,
+        # and the buffers it would set were restored with the step
+        call = None if self._in_ddp_forward and self._setup.scope != SETUP \
+            else self._setup.number()
         local = self._local
         if local is not None:
-            if local == "setup" and self._setup.replay(call, noop):
-                log.info("event=setup_collective_replayed op=%s rank=%d call=%s", name,
+            if self._setup.replay(call, noop):
+                log.info("event=%s_collective_replayed op=%s rank=%d call=%s", local, name,
                          collective.rank, call)
                 return _done(noop)
             log.info("event=%s_collective_skipped op=%s rank=%d", local, name,
@@ -274,21 +279,41 @@ class DefaultGroup(_Forwarding):
         """The Session joined the job: set-up is over, collectives are real from now on."""
         if self._answering == "setup":
             self._answering = None
-        for group in [self, *(ref() for ref in self._subgroups)]:
-            if group is not None:
-                group._setup_over()
+        for group in self._groups():
+            group._setup_over()
 
-    def answer_epoch_top_locally(self, active: bool) -> None:
-        """While ``active``: this rank runs again the top of an epoch whose steps it was
+    def _groups(self) -> list[_Forwarding]:
+        """This group and its live subgroups."""
+        self._subgroups = [ref for ref in self._subgroups if ref() is not None]
+        return [self, *(g for ref in self._subgroups if (g := ref()) is not None)]
+
+    def epoch_top(self, epoch: int | None) -> None:
+        """An epoch's top begins on this rank (``epoch``) or ends (None: its first step
+        starts): the calls in between are kept for a rank restored into that epoch later
+        (``SetupRecord``)."""
+        for group in self._groups():
+            if epoch is None:
+                group._setup.publish()
+            else:
+                group._setup.begin(f"epoch{epoch}")
+
+    def answer_epoch_top_locally(self, active: bool, epoch: int = -1) -> None:
+        """While ``active``: this rank runs again the top of ``epoch``, whose steps it was
         restored into (a replacement that joined mid-epoch, or every rank re-entering the
         epoch whose evaluation a peer died in), up to where the restored pass of its loader
         resumes. The ranks it joins ran that code before the fault, so its collectives
-        (a ``barrier``, an ``all_reduce`` of a count) are answered locally, as set-up
-        collectives are; a collective sent to the group would meet another rank's step."""
+        are answered locally, as set-up collectives are, with what the rank's same call
+        returned then when it was kept (a ``broadcast_object_list``, an ``all_reduce`` of a
+        count), else as if alone (a ``barrier``); a collective sent to the group would meet
+        another rank's step."""
         if active and self._answering is None:
             self._answering = "epoch_top"
+            for group in self._groups():
+                group._setup.begin(f"epoch{epoch}")
         elif not active and self._answering == "epoch_top":
             self._answering = None
+            for group in self._groups():
+                group._setup.close()
 
     def monitored_barrier(self, *args: Any) -> None:
         group = self._collective.group
@@ -305,10 +330,12 @@ class DefaultGroup(_Forwarding):
         if self._collective.rank not in ranks:
             return None
         group = SubGroup(self, list(ranks), group_name or f"unnamed{next(_unnamed)}", timeout)
-        if self._setup.open:
-            self._subgroups.append(weakref.ref(group))
-        else:            # made after set-up: nothing of it to keep
+        if not self._setup.open:        # made after set-up: nothing of it to keep
             group._setup_over()
+        elif self._setup.scope != SETUP:        # made in an epoch's top: kept with it
+            group._setup.begin(self._setup.scope)
+        self._groups()                  # (drops the dead ones)
+        self._subgroups.append(weakref.ref(group))
         return group
 
 
@@ -508,9 +535,11 @@ def _patch_ddp() -> None:
         self._phalanx_generation = -1 if group.answering_locally else group.generation
         reducer = self.reducer
         self.reducer = _InitialBuckets(reducer)
+        group._in_ddp_forward = True
         try:
             return original(self, *args, **kwargs)
         finally:
+            group._in_ddp_forward = False
             self.reducer = reducer
 
     @functools.wraps(register_builtin)

@@ -186,6 +186,7 @@ class Session(Rejoining):
         # restored pass resumes (see _enter_restored_top); None otherwise
         self._top_state: dict[str, tuple[Any, Any]] | None = None
         self._batch_in_hand = False     # a registered loader fetched the next step's batch
+        self._keeping_top = False       # an epoch's top runs: its collectives are kept
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Session":
@@ -509,6 +510,8 @@ class Session(Rejoining):
                 epoch = self._progress.epoch
                 if self._restored_pass_waiting():
                     self._enter_restored_top()
+                else:
+                    self._epoch_top_kept(epoch)
                 yield epoch
                 self._drop_restored_top()
                 tail = self._restored_tail()
@@ -577,7 +580,16 @@ class Session(Rejoining):
     def _epoch_top_on_group(self, active: bool) -> None:
         group = default_group()
         if group is not None and group.fault_tolerant:
-            group.answer_epoch_top_locally(active)
+            group.answer_epoch_top_locally(active, self._progress.epoch)
+
+    def _epoch_top_kept(self, epoch: int | None) -> None:
+        """An epoch's top begins here (``epoch``) or ends (None, at its first step): its
+        collectives' results are kept for a rank restored into the epoch later, whose top
+        then returns them (``SetupRecord``)."""
+        group = default_group()
+        if group is not None and group.fault_tolerant and group.answering_locally is False:
+            group.epoch_top(epoch)
+            self._keeping_top = epoch is not None
 
     def _before_batch(self) -> None:
         """Before a registered loader's next batch: the restored pass is running, so a
@@ -638,6 +650,8 @@ class Session(Rejoining):
         index, recoveries = self._progress.step_index, self.recoveries
         if self._top_state is not None:      # a step is never part of an epoch's top
             self._leave_restored_top()
+        if self._keeping_top:
+            self._epoch_top_kept(None)
         started = time.perf_counter()
         self._activity.enter_step()
         completed = False

@@ -82,7 +82,8 @@ def seed_reference(run_root: Path, *overrides: str) -> None:
 
 # The availability drills run on the torchrun-style DDP script (examples/ddp_phalanx.py:
 # DDP, DataLoader over a shuffling DistributedSampler with workers, epochs, evaluation,
-# a run name broadcast at set-up, an evaluation group from new_group, and each epoch left
+# a run name broadcast at set-up, each epoch's plan broadcast at its top, an evaluation
+# group from new_group, and each epoch left
 # after 14 of its 16 batches by ``enumerate``'s index: the spare resumes mid-epoch;
 # ``DDP(static_graph=True)``: a replacement's first iteration all-reduces every bucket at
 # the end of its backward pass while the survivors' go bucket by bucket) with a BatchNorm
@@ -90,7 +91,7 @@ def seed_reference(run_root: Path, *overrides: str) -> None:
 # demo. Plain DDP through a fault: tests/integration/test_default_group_job.py.
 DDP_ARGV = ('["--epochs", "3", "--sleep", "0.05", "--batchnorm", "--eval-first", '
             '"--epoch-barrier", "--run-name", "--eval-group", "--max-batches", "14", '
-            '"--static-graph"]')
+            '"--static-graph", "--epoch-plan"]')
 ON_DDP = {"kill_worker": DDP_ARGV, "kill_node": DDP_ARGV, "hang_worker": DDP_ARGV,
           "tier_fallback": DDP_ARGV}
 
@@ -178,6 +179,12 @@ def ddp_group_reformed_in_place(run: Run, replaced: set[int]) -> None:
         # RNG draws of its evaluation's loader undone where the restored pass resumed
         assert "event=epoch_top_collective_skipped op=barrier" in spare
         assert "event=restored_epoch_top_undone" in spare
+        # the plan rank 0 sent at that epoch's top (broadcast_object_list) is what the
+        # lost rank received then (answered as if alone, it failed in pickle.loads)
+        assert "event=epoch_top_collective_replayed op=broadcast" in spare
+        plans = dict(re.findall(r"^rank 0 epoch (\d+) plan (.+)$", logs["rank_0_w0-g0"], re.M))
+        spare_plans = re.findall(rf"^rank {rank} epoch (\d+) plan (.+)$", spare, re.M)
+        assert spare_plans and all(plans[e] == plan for e, plan in spare_plans), spare_plans
 
 
 def check_hang_worker(run: Run) -> None:

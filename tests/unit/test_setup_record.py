@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.runtime.group.setup_record import (CALL_LIMIT, SetupRecord, decode_into,
-                                                encode)
+from phalanx.runtime.group.setup_record import (CALL_LIMIT, EPOCH_CALL_LIMIT, SetupRecord,
+                                                decode_into, encode)
 
 pytestmark = pytest.mark.unit
 
@@ -49,17 +49,17 @@ def test_kept_calls_replay_in_order_for_the_same_rank_with_one_blob_per_result()
     for record in ranks:                    # both ranks got the same broadcast result
         record.keep(record.number() or 0, [seed])
         record.number()                     # a barrier: numbered, nothing kept
-        record.keep(record.number() or 0, [torch.full((2,), 7.0)])
+        record.keep(record.number() or 0, [torch.full((2048,), 7.0)])   # 8 KB: a blob
         record.publish()
         assert record.number() is None      # set-up is over
     replacement = SetupRecord(lambda: store, "world", 1)
     got = [torch.zeros(1, dtype=torch.int64)]
     assert replacement.replay(replacement.number(), got) and got[0].tolist() == [1234]
     assert not replacement.replay(replacement.number(), [torch.zeros(1)])   # the barrier
-    floats = [torch.zeros(2)]
-    assert replacement.replay(replacement.number(), floats) and floats[0].tolist() == [7.0, 7.0]
+    floats = [torch.zeros(2048)]
+    assert replacement.replay(replacement.number(), floats) and bool((floats[0] == 7.0).all())
     assert not replacement.replay(replacement.number(), [torch.zeros(1)])   # never made
-    assert store.num_keys() == 2 * 2 + 2          # 2 records a rank, 2 distinct blobs
+    assert store.num_keys() == 2 + 1     # a rank's records in one key; the seed inline, one blob
 
 
 def test_an_object_payload_is_kept_past_the_call_limit_a_model_broadcast_is_not() -> None:
@@ -74,3 +74,33 @@ def test_an_object_payload_is_kept_past_the_call_limit_a_model_broadcast_is_not(
     got = [torch.zeros_like(payload)]
     assert replacement.replay(replacement.number(), got) and torch.equal(got[0], payload)
     assert not replacement.replay(replacement.number(), [torch.ones_like(weights)])
+
+
+def test_an_epoch_tops_calls_are_kept_in_a_scope_of_their_own_and_old_epochs_deleted() -> None:
+    """Each epoch's top numbers its calls from 0 under ``epoch<e>``; a replacement restored
+    into epoch e replays that epoch's; a rank keeps its newest two epochs' records."""
+    store = dist.HashStore()
+    survivor = SetupRecord(lambda: store, "world", 1)
+    survivor.keep(survivor.number() or 0, [torch.tensor([5])])     # set-up
+    survivor.publish()
+    for epoch in range(4):
+        survivor.begin(f"epoch{epoch}")
+        survivor.keep(survivor.number() or 0, [torch.tensor([100 + epoch])])
+        survivor.keep(survivor.number() or 0, [torch.zeros(EPOCH_CALL_LIMIT)])  # too big
+        survivor.publish()
+    replacement = SetupRecord(lambda: store, "world", 1)
+    got = [torch.zeros(1, dtype=torch.int64)]
+    assert replacement.replay(replacement.number(), got) and got[0].tolist() == [5]
+    replacement.publish()
+    replacement.begin("epoch3")
+    assert replacement.scope == "epoch3"
+    assert replacement.replay(replacement.number(), got) and got[0].tolist() == [103]
+    assert not replacement.replay(replacement.number(), [torch.zeros(EPOCH_CALL_LIMIT)])
+    replacement.close()
+    assert replacement.number() is None
+    replacement.begin("epoch2")
+    assert replacement.replay(replacement.number(), got) and got[0].tolist() == [102]
+    replacement.begin("epoch1")               # deleted: answered as if alone
+    assert not replacement.replay(replacement.number(), got)
+    assert not store.check(["phalanx-setup/world/epoch0/1"])
+    assert store.check(["phalanx-setup/world/setup/1"])       # set-up's stay
