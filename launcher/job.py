@@ -28,7 +28,7 @@ from phalanx.launcher.drills.seam import JobDrills
 from phalanx.launcher.run_observer import RunObserver
 from phalanx.launcher.resume import ResumePoint, adopt_secret, announce, find_resume_point
 from phalanx.launcher.run_files import gather_run_files
-from phalanx.launcher.run_summary import record_run_end
+from phalanx.launcher.run_summary import record_run_end, record_startup_lost
 from phalanx.launcher.services.etcd_outage import EtcdOutage, outage_grace_s
 from phalanx.launcher.events import EventLog
 from phalanx.launcher.keeper_events import KEEPER_EVENTS_FINAL_WAIT_S, KeeperEvents
@@ -212,7 +212,12 @@ class JobRunner:
                 if self.keepers:
                     coordinator.place(slots)
             except Exception as exc:
-                self._check_startup_nodes(exc)
+                try:
+                    self._check_startup_nodes(exc)
+                except StartupLost as lost:
+                    record_startup_lost(run.path, self.cfg.job.name, self.cfg.job.world_size,
+                                        self._started_at, lost)
+                    raise
                 raise
             return self._finish(run, slots, coordinator, started)
 

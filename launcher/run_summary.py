@@ -81,6 +81,20 @@ def record_run_end(run_dir: Path, outcome: str, coordinator: "RecoveryCoordinato
     return summary
 
 
+def record_startup_lost(run_dir: Path, job: str, world_size: int, started_at: float,
+                        error: BaseException) -> None:
+    """``summary.json`` of a launch attempt that Ray lost before its coordinator existed
+    (the launcher starts the job once more in a new run directory): without it the
+    attempt's directory read as a run whose launcher died. Never raises (logged)."""
+    summary = build_summary("failed", job, world_size, read_run_events(run_dir), started_at,
+                            time.time(), error={"type": type(error).__name__,
+                                                "message": str(error)[:2000]})
+    try:
+        write_summary(run_dir, summary)
+    except OSError as exc:
+        log.warning("event=summary_not_written run_dir=%s error=%s", run_dir, exc)
+
+
 def _final_step(coordinator: "RecoveryCoordinator") -> int | None:
     """The step the ranks ended at: what each finished worker left under ``finished/``."""
     try:

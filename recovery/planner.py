@@ -253,12 +253,12 @@ def _repairs(faults: Sequence[FaultReport], world: WorldView, damage: _Damage,
     suspects = {r for f in faults if f.corruption is not None for r in f.ranks}
     if not suspects:        # no corruption: nothing to repair (no O(world) scan)
         return []
-    groups = [f.corruption for f in faults if f.corruption is not None]
+    corruptions = [f.corruption for f in faults if f.corruption is not None]
     lost = set(damage.lost)
     heaps: dict[frozenset[Rank] | None, list[tuple[int, Rank, NodeId]]] = {}
     repairs = []
     for rank in sorted(suspects - lost):
-        peers = next((p for c in groups if (p := c.peers_of(rank)) is not None), None)
+        peers = next((p for c in corruptions if (p := c.peers_of(rank)) is not None), None)
         if peers not in heaps:
             candidates = sorted(peers) if peers is not None else range(world.world_size)
             heaps[peers] = [(0, Rank(r), node) for r in candidates

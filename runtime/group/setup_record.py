@@ -130,13 +130,13 @@ class SetupRecord:
         starts); what the previous scope kept is published first."""
         self.publish()
         self._scope, self._calls = scope, itertools.count()
-        self._held, self._bytes = {}, 0
+        self._held, self._bytes, self._replaying = {}, 0, None
         self.open = True
 
     def close(self) -> None:
         """Stop numbering without publishing (a replayed epoch top is over)."""
         self.open = False
-        self._held, self._bytes = {}, 0
+        self._held, self._bytes, self._replaying = {}, 0, None
 
     def keep(self, call: int, result: Any) -> None:
         """Call ``call`` completed with ``result`` (its result argument, read now: the

@@ -586,10 +586,10 @@ class Session(Rejoining):
         """An epoch's top begins here (``epoch``) or ends (None, at its first step): its
         collectives' results are kept for a rank restored into the epoch later, whose top
         then returns them (``SetupRecord``)."""
+        self._keeping_top = epoch is not None
         group = default_group()
-        if group is not None and group.fault_tolerant and group.answering_locally is False:
+        if group is not None and group.fault_tolerant and not group.answering_locally:
             group.epoch_top(epoch)
-            self._keeping_top = epoch is not None
 
     def _before_batch(self) -> None:
         """Before a registered loader's next batch: the restored pass is running, so a

@@ -4,6 +4,7 @@ for capacity, a failed run, a live one; the parts always sum to the wall time an
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +230,16 @@ def test_a_dead_run_is_reconstructed_from_its_events(tmp_path: Path) -> None:
     goodput = summary["goodput"]
     assert goodput["shutdown_s"] == pytest.approx(0.0)
     assert abs(goodput["sum_s"] - goodput["wall_s"]) <= 0.01 * goodput["wall_s"]
+
+
+def test_a_launch_attempt_ray_lost_before_its_coordinator_is_summarised(tmp_path: Path) -> None:
+    """The launcher starts the job again in a new run directory; the lost attempt's own
+    directory says why (before, it had no summary.json and read as a dead launcher's run:
+    a test counting run directories miscounted)."""
+    from phalanx.launcher.job import StartupLost
+    from phalanx.launcher.run_summary import record_startup_lost
+
+    record_startup_lost(tmp_path, "demo", 2, time.time() - 5, StartupLost("Ray lost 1 node"))
+    summary = read_summary(tmp_path)
+    assert summary is not None and summary["outcome"] == "failed"
+    assert summary["error"] == {"type": "StartupLost", "message": "Ray lost 1 node"}
