@@ -619,12 +619,18 @@ class Session(Rejoining):
         new generation that began while this rank did no collective: it joins at this step
         boundary, while the others' group formation still waits for it."""
         fault = self._group_fault()
-        watcher = self._watcher
-        if fault is None and watcher is not None and self._collective is not None \
-                and watcher.newer_than(self.generation):
-            fault = f"generation {watcher.latest} began while this rank ran no collective"
-        if fault is not None and watcher is not None:
+        if fault is None and (newer := self._newer_generation()) is not None:
+            fault = f"generation {newer} began while this rank ran no collective"
+        if fault is not None and self._watcher is not None:
             self._recover(fault)
+
+    def _newer_generation(self) -> int | None:
+        """A generation announced after this rank's, while its group saw no fault."""
+        watcher = self._watcher
+        if self._collective is None or watcher is None or self._group_fault() is not None \
+                or not watcher.newer_than(self.generation):
+            return None
+        return watcher.latest
 
     def _refuse_step_if_faulted(self) -> None:
         """At a step's start, with the batch a registered loader handed out for it before
@@ -635,11 +641,10 @@ class Session(Rejoining):
         a rank of one DDP group, training apart from another group (its steps ahead), took
         a batch of the pass it left, then one more batch than its peer, and their
         all-reduces met other calls until the group timeout."""
-        watcher = self._watcher
-        if self._collective is not None and watcher is not None \
-                and self._group_fault() is None and watcher.newer_than(self.generation):
+        if (newer := self._newer_generation()) is not None:
+            assert self._collective is not None
             self._collective.mark_fault(
-                f"generation {watcher.latest} began after this step's batch was fetched")
+                f"generation {newer} began after this step's batch was fetched")
 
     @contextmanager
     def step(self) -> Iterator[int]:
