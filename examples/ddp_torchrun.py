@@ -9,6 +9,7 @@ Both print (and with ``--out PREFIX`` write to ``PREFIX.rank<r>``) the sha256 of
 parameters. ``examples/ddp_phalanx.py`` is the same job made fault tolerant.
 """
 import argparse
+import contextlib
 import hashlib
 import os
 import time
@@ -78,6 +79,16 @@ def parse_args():
                         help="split the ranks into this many data-parallel groups "
                              "(dist.new_group), each training a model of its own, as "
                              "pipeline stages or an ensemble do")
+    parser.add_argument("--accum", type=int, default=1,
+                        help="accumulate gradients over this many micro-batches per "
+                             "optimizer step, the first ones under DDP's no_sync()")
+    parser.add_argument("--clip", type=float, default=0.0,
+                        help="clip the gradients' norm to this (clip_grad_norm_; 0: off)")
+    parser.add_argument("--autocast", action="store_true",
+                        help="run the forward pass under torch.autocast (CPU, bfloat16)")
+    parser.add_argument("--save-dir", default="",
+                        help="rank 0 saves the model (and the optimizer, unless --zero) "
+                             "with torch.save after each epoch, as scripts checkpoint")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--out", default="", help="write the final hash to OUT.rank<r>")
     return parser.parse_args()
@@ -93,6 +104,32 @@ def evaluate(model, loader, group=None):
     dist.all_reduce(total, group=group)
     model.train()
     return (total[0] / total[1]).item()
+
+
+def train_step(model, x, y, args):
+    """One optimizer step's gradients: ``args.accum`` micro-batches, all but the last under
+    ``no_sync()`` (DDP all-reduces once per step), the forward under autocast if asked,
+    the gradients clipped if asked."""
+    micro = list(zip(x.chunk(args.accum), y.chunk(args.accum)))
+    for k, (xs, ys) in enumerate(micro):
+        sync = contextlib.nullcontext() if k == len(micro) - 1 else model.no_sync()
+        with sync:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
+                out = model(xs)
+            loss = nn.functional.mse_loss(out.float(), ys) / len(micro)
+            loss.backward()
+    if args.clip:
+        nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+
+
+def save(model, optimizer, epoch, args):
+    """Rank 0's checkpoint of the epoch, written by the script itself (``--save-dir``)."""
+    if args.save_dir and dist.get_rank() == 0:
+        state = {"model": model.state_dict(), "epoch": epoch}
+        if not args.zero:       # ZeRO's state_dict() is a collective over every rank
+            state["optimizer"] = optimizer.state_dict()
+        os.makedirs(args.save_dir, exist_ok=True)
+        torch.save(state, os.path.join(args.save_dir, f"epoch{epoch}.pt"))
 
 
 def finish(model, out):
@@ -157,11 +194,11 @@ def main():
             if args.max_batches and i >= args.max_batches:
                 break
             optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
+            train_step(model, x, y, args)
             optimizer.step()
             time.sleep(args.sleep)
         scheduler.step()
+        save(model, optimizer, epoch, args)
         test_loss = evaluate(model, test_loader, eval_group)
         if dist.get_rank() == 0:
             print(f"epoch {epoch} batch {batch_size} test loss {test_loss:.5f}", flush=True)

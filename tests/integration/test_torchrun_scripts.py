@@ -180,7 +180,10 @@ def test_the_nanogpt_loop_survives_kill_worker_with_torchruns_parameters(tmp_pat
 def test_zero_and_persistent_workers_survive_kill_node_with_torchruns_parameters(
         tmp_path: Path) -> None:
     """DDP with ``ZeroRedundancyOptimizer`` (``--zero``) and a DataLoader whose workers
-    persist across epochs (``--persistent-workers``), a node lost in the second epoch.
+    persist across epochs (``--persistent-workers``), a node lost in the second epoch; each
+    step accumulates two micro-batches (the first under ``no_sync()``), runs its forward
+    under CPU autocast and clips the gradients, and rank 0 saves the model with
+    ``torch.save`` after each epoch, as training scripts do.
     ZeRO: each rank holds only its own partition of the optimizer state, so a lost rank's
     partition comes from its snapshot (a replica on the surviving node) while the DDP
     parameters heal from the survivor; before, the Session's snapshot called ZeRO's
@@ -195,8 +198,10 @@ def test_zero_and_persistent_workers_survive_kill_node_with_torchruns_parameters
     same script (its Session standalone) ends with under torchrun."""
     from tests.integration.test_drills import drill, report_of
 
-    argv = ["--epochs", "2", "--sleep", "0.05", "--batchnorm", "--zero", "--persistent-workers"]
+    argv = ["--epochs", "2", "--sleep", "0.05", "--batchnorm", "--zero", "--persistent-workers",
+            "--accum", "2", "--clip", "1.0", "--autocast"]
     expected = {torchrun_hash(tmp_path, argv)}
+    saved = tmp_path / "saved"
     # the shipped kill_node scenario in the first step of the second epoch (32 steps
     # each): the ranks heal at the first epoch's last step, so the survivor's loop ends
     # and its evaluation all-reduce runs once as the first epoch's tail, with the
@@ -207,8 +212,9 @@ def test_zero_and_persistent_workers_survive_kill_node_with_torchruns_parameters
     assert "at_step: 20" in shipped
     scenario.write_text(shipped.replace("final_state: identical", "")   # epoch 2's first
                         .replace("at_step: 20", "at_step: 32"))
+    job = [*argv, "--save-dir", str(saved)]
     result = drill("run", str(scenario), "--config", "configs/ddp.yaml",
-                   "--set", "job.world_size=2", "--set", f"job.argv={json.dumps(argv)}",
+                   "--set", "job.world_size=2", "--set", f"job.argv={json.dumps(job)}",
                    run_root=tmp_path / "runs", timeout_s=400)
     assert result.returncode == 0, result.stderr[-5000:]
     report = report_of(result)
@@ -218,6 +224,22 @@ def test_zero_and_persistent_workers_survive_kill_node_with_torchruns_parameters
     assert "optimizer=sharded" in logs                      # never sent from a survivor
     finals = HASH.findall(logs)
     assert len(finals) == 2 and set(finals) == expected, finals
+    # rank 0's own torch.save after each epoch: the last holds the final parameters
+    assert sorted(p.name for p in saved.iterdir()) == ["epoch0.pt", "epoch1.pt"]
+    assert {saved_parameters_hash(saved / "epoch1.pt")} == expected
+
+
+def saved_parameters_hash(path: Path) -> str:
+    """The sha256 of the parameters in a ``--save-dir`` checkpoint, as the script hashes
+    its model's (a state_dict's entries in order, less BatchNorm's buffers)."""
+    import hashlib
+
+    import torch
+
+    model = torch.load(path, weights_only=True)["model"]
+    buffers = ("running_mean", "running_var", "num_batches_tracked")
+    return hashlib.sha256(b"".join(t.numpy().tobytes() for k, t in model.items()
+                                   if not k.endswith(buffers))).hexdigest()
 
 
 @pytest.mark.timeout(600)
