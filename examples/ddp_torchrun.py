@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset,
+                              get_worker_info)
 
 
 class Regression(Dataset):
@@ -35,6 +36,26 @@ class Regression(Dataset):
 
     def __getitem__(self, i):
         return self.x[i] + 0.01 * torch.randn(16), self.y[i]
+
+
+class Stream(IterableDataset):
+    """A streaming dataset, as large-corpus scripts read shards: each rank of a data-parallel
+    group, and each loader worker of a rank, reads its own slice of a per-epoch shuffled
+    order (``set_epoch``); a sample's noise is drawn where it is loaded."""
+
+    def __init__(self, size, rank, ranks):
+        self.size, self.rank, self.ranks, self.epoch = size, rank, ranks, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        worker = get_worker_info()
+        index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.epoch))
+        for i in order.tolist()[self.rank::self.ranks][index::workers]:
+            x = torch.randn(16, generator=torch.Generator().manual_seed(i))
+            yield x + 0.01 * torch.randn(16), torch.sin(x.sum()).reshape(1)
 
 
 def make_model(batchnorm):
@@ -79,6 +100,9 @@ def parse_args():
                         help="split the ranks into this many data-parallel groups "
                              "(dist.new_group), each training a model of its own, as "
                              "pipeline stages or an ensemble do")
+    parser.add_argument("--iterable", action="store_true",
+                        help="read a streaming IterableDataset (sharded by rank and worker), "
+                             "not a map-style dataset through a DistributedSampler")
     parser.add_argument("--accum", type=int, default=1,
                         help="accumulate gradients over this many micro-batches per "
                              "optimizer step, the first ones under DDP's no_sync()")
@@ -162,7 +186,10 @@ def main():
     data = Regression(args.samples, seed=1)
     sampler = DistributedSampler(data, num_replicas=size, rank=dist.get_rank() % size,
                                  shuffle=True, seed=2)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
+    if args.iterable:   # the stream shards itself; set_epoch reaches it as the sampler's would
+        data = sampler = Stream(args.samples, dist.get_rank() % size, size)
+    loader = DataLoader(data, batch_size=args.batch_size,
+                        sampler=None if args.iterable else sampler,
                         num_workers=args.workers, persistent_workers=args.persistent_workers)
     test_loader = DataLoader(Regression(64, seed=3), batch_size=32)
     model = DDP(make_model(args.batchnorm), process_group=ddp_groups[index],

@@ -34,6 +34,7 @@ restored RNG state is exactly the one captured at the restored step.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -94,6 +95,18 @@ class LoaderPosition:
                            and not self.stateful)
         self.first_rng: torch.Tensor | None = None
         self.first_generator: torch.Tensor | None = None
+        # ... and the dataset's plain attributes then: the persistent workers keep the copy
+        # of the dataset made at the first pass, whatever the script sets later
+        self.first_dataset: dict[str, Any] | None = None
+        if self.persistent and isinstance(loader.dataset, IterableDataset):
+            # its samples come from the workers' own iterators, with no index to reseed a
+            # sample by (SeededSamples): a persistent worker's RNG runs on from pass to pass
+            log.warning("event=loader_worker_rng_not_replayed dataset=%s: a replacement's "
+                        "persistent loader workers start their RNG afresh, so samples whose "
+                        "randomness is drawn in the workers of this IterableDataset differ "
+                        "after a restore into a later pass; draw it from the sample (a seed "
+                        "per sample) or set persistent_workers=False",
+                        type(loader.dataset).__name__)
         self.pending: dict[str, Any] | None = None   # a restore not yet applied
         # a restore moved the live loop into a pass of this (earlier) epoch: what the
         # script runs after its loop is that epoch's tail (``_ResumingIterator``;
@@ -134,11 +147,14 @@ class LoaderPosition:
                 state["first_rng"] = self.first_rng
                 if self.first_generator is not None:
                     state["first_generator"] = self.first_generator
+            if self.first_dataset is not None:
+                state["first_dataset"] = self.first_dataset
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.persistent and "first_rng" in state:
             self.first_rng, self.first_generator = state["first_rng"], state.get("first_generator")
+            self.first_dataset = state.get("first_dataset")
         self.pending = dict(state)
         self.restores += 1
         self._switch_at = None
@@ -251,6 +267,7 @@ class LoaderPosition:
             self.start_generator = now_generator
             if self.persistent and self.passes == 0:
                 self.first_rng, self.first_generator = now, now_generator
+                self.first_dataset = plain_attributes(_user_dataset(loader))
             return base_iter(loader)
         try:
             if restored is None:
@@ -296,11 +313,43 @@ class LoaderPosition:
         now = torch.get_rng_state()
         now_generator = generator.get_state() if generator is not None else None
         _set_rng(self.first_rng, generator, self.first_generator)
-        it = base_iter(loader)
+        with _attributes_as(_user_dataset(loader), self.first_dataset):
+            it = base_iter(loader)      # its workers start here, with the dataset as it was
         if self.passes != 0:
             _set_rng(now, generator, now_generator)
             it._reset(loader)
         return it
+
+
+def plain_attributes(dataset: Any) -> dict[str, Any]:
+    """The dataset's attributes that are plain values (None, bool, int, float, str), such
+    as the epoch a ``set_epoch`` method stores: what a script changes between passes."""
+    return {name: value for name, value in getattr(dataset, "__dict__", {}).items()
+            if value is None or type(value) in (bool, int, float, str)}
+
+
+@contextlib.contextmanager
+def _attributes_as(dataset: Any, attributes: dict[str, Any] | None) -> Iterator[None]:
+    """The dataset with ``attributes`` set while the block runs, its own values after. A
+    replacement's persistent workers start from the dataset as the lost rank's did at its
+    first pass (a streaming dataset's ``set_epoch`` after it never reached those workers
+    under torchrun either: each epoch read the first epoch's order there, and a
+    replacement's fresh workers read the restored epoch's, other parameters)."""
+    now = plain_attributes(dataset)
+    for name, value in (attributes or {}).items():
+        if name in now:
+            setattr(dataset, name, value)
+    try:
+        yield
+    finally:
+        for name, value in now.items():
+            setattr(dataset, name, value)
+
+
+def _user_dataset(loader: DataLoader) -> Any:
+    """The script's dataset (a multi-worker map-style one is wrapped in SeededSamples)."""
+    dataset = loader.dataset
+    return dataset.inner if isinstance(dataset, SeededSamples) else dataset
 
 
 def _set_rng(state: torch.Tensor, generator: torch.Generator | None,

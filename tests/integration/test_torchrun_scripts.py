@@ -196,8 +196,6 @@ def test_zero_and_persistent_workers_survive_kill_node_with_torchruns_parameters
     before, the survivor ran that evaluation's all-reduce once more than the replacement
     and gloo aborted, twenty recoveries in a row. Both ranks end with the parameters the
     same script (its Session standalone) ends with under torchrun."""
-    from tests.integration.test_drills import drill, report_of
-
     argv = ["--epochs", "2", "--sleep", "0.05", "--batchnorm", "--zero", "--persistent-workers",
             "--accum", "2", "--clip", "1.0", "--autocast"]
     expected = {torchrun_hash(tmp_path, argv)}
@@ -207,26 +205,55 @@ def test_zero_and_persistent_workers_survive_kill_node_with_torchruns_parameters
     # and its evaluation all-reduce runs once as the first epoch's tail, with the
     # replacement's; the final state is checked against torchrun's below instead of a
     # second, fault-free phalanx run
-    scenario = tmp_path / "kill_node.yaml"
-    shipped = (ROOT / "configs" / "drills" / "kill_node.yaml").read_text()
-    assert "at_step: 20" in shipped
-    scenario.write_text(shipped.replace("final_state: identical", "")   # epoch 2's first
-                        .replace("at_step: 20", "at_step: 32"))
-    job = [*argv, "--save-dir", str(saved)]
-    result = drill("run", str(scenario), "--config", "configs/ddp.yaml",
-                   "--set", "job.world_size=2", "--set", f"job.argv={json.dumps(job)}",
-                   run_root=tmp_path / "runs", timeout_s=400)
-    assert result.returncode == 0, result.stderr[-5000:]
-    report = report_of(result)
-    assert report["passed"], report["checks"]
-    run = Path(report["run"]["run_dir"])
-    logs = "".join(log.read_text() for log in (run / "logs").glob("rank_*.log"))
+    _, logs = drilled_on_two_ranks(tmp_path, "kill_node", [*argv, "--save-dir", str(saved)],
+                                   at_step=32)                       # epoch 2's first
     assert "optimizer=sharded" in logs                      # never sent from a survivor
     finals = HASH.findall(logs)
     assert len(finals) == 2 and set(finals) == expected, finals
     # rank 0's own torch.save after each epoch: the last holds the final parameters
     assert sorted(p.name for p in saved.iterdir()) == ["epoch0.pt", "epoch1.pt"]
     assert {saved_parameters_hash(saved / "epoch1.pt")} == expected
+
+
+@pytest.mark.timeout(600)
+def test_a_streaming_iterable_dataset_survives_kill_worker_with_torchruns_parameters(
+        tmp_path: Path) -> None:
+    """A streaming ``IterableDataset`` (``--iterable``: each rank and each of its two
+    loader workers reads its own slice of a per-epoch shuffled order, a sample's noise
+    drawn in the worker) has no sampler to skip in: the replacement's loader replays the
+    killed rank's pass up to its position, its workers seeded as the lost rank's were.
+    Rank 1 is killed in the fourth step of the second epoch (16 steps an epoch); both
+    ranks end with the parameters the same script ends with under torchrun, with no step
+    lost."""
+    argv = ["--epochs", "2", "--samples", "512", "--sleep", "0.05", "--iterable"]
+    expected = {torchrun_hash(tmp_path, argv)}
+    report, logs = drilled_on_two_ranks(tmp_path, "kill_worker", argv, at_step=20)
+    assert [f["recovery"]["lost_steps"] for f in report["faults"]] == [0], report["faults"]
+    finals = HASH.findall(logs)
+    assert len(finals) == 2 and set(finals) == expected, finals
+
+
+def drilled_on_two_ranks(tmp_path: Path, shipped: str, argv: list[str], at_step: int
+                         ) -> tuple[dict, str]:
+    """The shipped drill scenario ``shipped`` at step ``at_step`` on
+    ``examples/ddp_phalanx.py argv`` (2 ranks), passed, with no fault-free phalanx run of
+    its own (the caller checks the final state against torchrun's): its report and the
+    text of its ranks' logs."""
+    from tests.integration.test_drills import drill, report_of
+
+    text = (ROOT / "configs" / "drills" / f"{shipped}.yaml").read_text()
+    assert "at_step: 20" in text and "final_state: identical" in text
+    scenario = tmp_path / f"{shipped}.yaml"
+    scenario.write_text(text.replace("final_state: identical", "")
+                        .replace("at_step: 20", f"at_step: {at_step}"))
+    result = drill("run", str(scenario), "--config", "configs/ddp.yaml",
+                   "--set", "job.world_size=2", "--set", f"job.argv={json.dumps(argv)}",
+                   run_root=tmp_path / "runs", timeout_s=400)
+    assert result.returncode == 0, result.stderr[-5000:]
+    report = report_of(result)
+    assert report["passed"], report["checks"]
+    run = Path(report["run"]["run_dir"])
+    return report, "".join(log.read_text() for log in (run / "logs").glob("rank_*.log"))
 
 
 def saved_parameters_hash(path: Path) -> str:

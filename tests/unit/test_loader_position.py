@@ -14,7 +14,7 @@ from typing import Any
 import numpy.random  # noqa: F401  (imported before any fork: see below)
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from phalanx.configs.errors import StateNotCapturable
@@ -37,7 +37,27 @@ class Augmented(Dataset):
         return torch.tensor([float(index), torch.rand(()).item()])
 
 
+class Stream(IterableDataset):
+    """A streaming dataset whose order is the epoch's (``set_epoch``), split between the
+    loader's workers; its samples draw no randomness in the workers (a persistent worker's
+    RNG runs on from pass to pass, which a replacement's fresh worker does not replay)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Any:
+        worker = get_worker_info()
+        order = torch.randperm(40, generator=torch.Generator().manual_seed(self.epoch))
+        for index in order.tolist()[worker.id::worker.num_workers]:
+            yield torch.tensor([float(index), float(self.epoch)])
+
+
 def make(kind: str) -> DataLoader:
+    if kind == "stream-persistent":
+        return DataLoader(Stream(), batch_size=4, num_workers=2, persistent_workers=True)
     data = Augmented()
     persistent = kind.endswith("-persistent")   # workers kept from one pass to the next
     if kind.startswith("distributed-"):
@@ -181,6 +201,8 @@ def train_replaced(kind: str, replace: tuple[int, int] | None = None, epochs: in
             box["epoch"] = epoch
             if kind.startswith("distributed-"):
                 loader.sampler.set_epoch(epoch)
+            if kind.startswith("stream-"):
+                loader.dataset.set_epoch(epoch)
             size = len(next(iter(loader))) if peek else 0
             for i, batch in enumerate(ProgressBar(loader) if bar else loader):
                 if limit and i >= limit:
@@ -228,6 +250,23 @@ def test_a_replacement_whose_epochs_peek_a_batch_resumes_at_the_restored_batch(
     assert len(reference) == 3 * per_epoch
     assert train_replaced(kind, (per_epoch + 3, per_epoch + 2)) == reference
     assert train_replaced(kind, (2 * per_epoch + 1, per_epoch - 2)) == reference
+
+
+def test_a_replacements_persistent_workers_start_from_the_dataset_of_the_first_pass() -> None:
+    """Persistent workers keep the copy of the dataset made at the first pass: the script's
+    ``set_epoch`` on a streaming dataset never reaches them, so under torchrun every epoch
+    reads the first epoch's order. A replacement restored into a later epoch starts its
+    workers with the dataset's plain attributes as they were at the lost rank's first pass
+    (carried in the loader's position) and reads what the lost rank would have read.
+    (Before, its fresh workers read the restored epoch's order: a DDP script with a
+    streaming dataset and persistent workers ended with other parameters than torchrun's.)"""
+    reference = train_replaced("stream-persistent", peek=False)
+    assert len(reference) == 30
+    def order(epoch: int) -> list[list[float]]:    # the epoch's samples, in its order
+        return [sample for _, e, _, _, batch, _ in reference if e == epoch for sample in batch]
+    assert order(2) == order(0) != sorted(order(0))     # the first epoch's, again
+    assert train_replaced("stream-persistent", (13, 12), peek=False) == reference
+    assert train_replaced("stream-persistent", (25, 21), peek=False) == reference
 
 
 def train_noticing_in_the_peek(kind: str, notice: tuple[int, int] | None = None,
