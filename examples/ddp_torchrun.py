@@ -58,9 +58,10 @@ class Stream(IterableDataset):
             yield x + 0.01 * torch.randn(16), torch.sin(x.sum()).reshape(1)
 
 
-def make_model(batchnorm):
+def make_model(batchnorm, dropout=0.0):
     norm = nn.BatchNorm1d(64) if batchnorm else nn.Identity()
-    return nn.Sequential(nn.Linear(16, 64), norm, nn.Tanh(), nn.Linear(64, 1))
+    drop = [nn.Dropout(dropout)] if dropout else []
+    return nn.Sequential(nn.Linear(16, 64), norm, nn.Tanh(), *drop, nn.Linear(64, 1))
 
 
 def parse_args():
@@ -103,6 +104,11 @@ def parse_args():
     parser.add_argument("--iterable", action="store_true",
                         help="read a streaming IterableDataset (sharded by rank and worker), "
                              "not a map-style dataset through a DistributedSampler")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="a dropout layer with this probability (masks from the RNG)")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="also evaluate after every this many batches, between two "
+                             "steps, as scripts that validate within an epoch do")
     parser.add_argument("--accum", type=int, default=1,
                         help="accumulate gradients over this many micro-batches per "
                              "optimizer step, the first ones under DDP's no_sync()")
@@ -192,7 +198,7 @@ def main():
                         sampler=None if args.iterable else sampler,
                         num_workers=args.workers, persistent_workers=args.persistent_workers)
     test_loader = DataLoader(Regression(64, seed=3), batch_size=32)
-    model = DDP(make_model(args.batchnorm), process_group=ddp_groups[index],
+    model = DDP(make_model(args.batchnorm, args.dropout), process_group=ddp_groups[index],
                 static_graph=args.static_graph)
     if args.zero:
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD,
@@ -224,6 +230,10 @@ def main():
             train_step(model, x, y, args)
             optimizer.step()
             time.sleep(args.sleep)
+            if args.eval_every and (i + 1) % args.eval_every == 0:
+                loss = evaluate(model, test_loader, eval_group)     # between two steps
+                if dist.get_rank() == 0:
+                    print(f"epoch {epoch} batch {i} test loss {loss:.5f}", flush=True)
         scheduler.step()
         save(model, optimizer, epoch, args)
         test_loss = evaluate(model, test_loader, eval_group)

@@ -21,11 +21,13 @@ import hashlib
 import json
 import logging
 import os
+import random
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
@@ -80,6 +82,18 @@ def state_digest(objects: dict[str, Any]) -> str:
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     digest.update(json.dumps(specs, sort_keys=True, default=str).encode())
     return digest.hexdigest()
+
+
+def _rng_mark() -> tuple:
+    """What moves when torch's CPU generator, numpy's global one or Python's ``random``
+    draws (the RNG a Session captures, less CUDA's): compared, not stored in a snapshot."""
+    _, keys, pos, _, _ = np.random.get_state(legacy=True)
+    words = random.getstate()[1]
+    return torch.get_rng_state(), int(pos), int(keys[0]), words[-1], words[0]
+
+
+def _same_rng(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and a[1:] == b[1:]
 
 
 def last_state_digest() -> str | None:
@@ -158,6 +172,9 @@ class Session(Rejoining):
         # per-rank state every step, when some state is replicated (see _state_classes)
         self._rank_keeper: KeeperLink | None = None
         self._rank_snapshotter: Snapshotter | None = None
+        # the RNG, step and epoch of the last per-rank capture (see _recapture_between_steps)
+        self._captured_rng: tuple | None = None
+        self._captured_at: tuple[int, int] | None = None
         self._declared: dict[str, str] = {}
         self._classes: StateClasses | None = None
         self._stepped: set[int] = set()    # optimizers that applied the step in flight
@@ -349,6 +366,30 @@ class Session(Rejoining):
         # survivors heal at their step instead of falling back to the committed one
         self._rank_keeper.capture(self._rank_snapshotter, self._progress.step_index,
                                   self._state_classes().per_rank)
+        if "__rng__" in self._objects:
+            self._captured_rng = _rng_mark()
+            self._captured_at = (self._progress.step_index, self._progress.epoch)
+
+    def _recapture_between_steps(self) -> None:
+        """Before the next batch of the same pass: work the script ran between two steps
+        (an evaluation every N steps with dropout or noise, a random draw) moved the RNG
+        after the last step's per-rank capture. The per-rank state is captured again for
+        the same step, so a replacement restored at it goes on from the RNG the lost rank
+        had here, as the run without the fault does; before, it went on from the RNG of
+        the step's end, without the evaluation's draws (other dropout masks: other
+        parameters than torchrun's). An epoch's top is left to the epoch-top records; a
+        loop with no registered loader keeps the step's end (its batch may be drawn
+        before ``session.step()``, after this point)."""
+        if self._captured_rng is None or self._rank_snapshotter is None \
+                or self._captured_at != (self._progress.step_index, self._progress.epoch) \
+                or _same_rng(self._captured_rng, _rng_mark()):
+            return
+        log.info("event=per_rank_recaptured rank=%d step=%d reason=rng_moved_between_steps",
+                 self.rank, self._progress.step_index)
+        try:
+            self._capture_per_rank()
+        except StaleGeneration as exc:  # the keeper already serves a newer generation
+            self._recover(f"snapshot fenced: {exc}")
 
     def _hook_optimizer(self, obj: Any) -> None:
         """Snapshots copy the live tensors in the background while the next step's forward
@@ -596,7 +637,10 @@ class Session(Rejoining):
         restored epoch's top is over; then ``_recover_if_faulted``."""
         if self._top_state is not None and not self._restored_pass_waiting():
             self._leave_restored_top()
+        recoveries = self.recoveries
         self._recover_if_faulted()
+        if self.recoveries == recoveries and not self._batch_in_hand:
+            self._recapture_between_steps()
         self._batch_in_hand = True      # until the step that takes it starts
 
     def _restored_tail(self) -> int | None:

@@ -216,19 +216,26 @@ def test_zero_and_persistent_workers_survive_kill_node_with_torchruns_parameters
 
 
 @pytest.mark.timeout(600)
-def test_a_streaming_iterable_dataset_survives_kill_worker_with_torchruns_parameters(
+def test_a_streaming_dataset_and_evaluations_within_epochs_survive_kill_worker(
         tmp_path: Path) -> None:
     """A streaming ``IterableDataset`` (``--iterable``: each rank and each of its two
     loader workers reads its own slice of a per-epoch shuffled order, a sample's noise
     drawn in the worker) has no sampler to skip in: the replacement's loader replays the
     killed rank's pass up to its position, its workers seeded as the lost rank's were.
-    Rank 1 is killed in the fourth step of the second epoch (16 steps an epoch); both
-    ranks end with the parameters the same script ends with under torchrun, with no step
-    lost."""
-    argv = ["--epochs", "2", "--samples", "512", "--sleep", "0.05", "--iterable"]
+    The model has dropout and the script evaluates after every 4 batches, between two
+    steps (its test loader draws noise from the training RNG): rank 1 is killed in the
+    fourth step of the second epoch (16 steps an epoch), right after such an evaluation.
+    Both ranks end with the parameters the same script ends with under torchrun, with no
+    step lost. (Before, the replacement went on from the RNG of the step's end, without
+    the evaluation's draws: other dropout masks, other parameters.)"""
+    argv = ["--epochs", "2", "--samples", "512", "--sleep", "0.05", "--iterable",
+            "--dropout", "0.1", "--eval-every", "4"]
     expected = {torchrun_hash(tmp_path, argv)}
     report, logs = drilled_on_two_ranks(tmp_path, "kill_worker", argv, at_step=20)
     assert [f["recovery"]["lost_steps"] for f in report["faults"]] == [0], report["faults"]
+    # the evaluation after the 20th batch (the second epoch's 4th) moved the RNG after
+    # step 20's capture, and rank 1 captured again before batch 21, then was killed
+    assert "20" in re.findall(r"event=per_rank_recaptured rank=1 step=(\d+)", logs)
     finals = HASH.findall(logs)
     assert len(finals) == 2 and set(finals) == expected, finals
 
