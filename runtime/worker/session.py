@@ -175,6 +175,7 @@ class Session(Rejoining):
         # the RNG, step and epoch of the last per-rank capture (see _recapture_between_steps)
         self._captured_rng: tuple | None = None
         self._captured_at: tuple[int, int] | None = None
+        self._recaptured_step = -2
         self._declared: dict[str, str] = {}
         self._classes: StateClasses | None = None
         self._stepped: set[int] = set()    # optimizers that applied the step in flight
@@ -384,8 +385,13 @@ class Session(Rejoining):
                 or self._captured_at != (self._progress.step_index, self._progress.epoch) \
                 or _same_rng(self._captured_rng, _rng_mark()):
             return
-        log.info("event=per_rank_recaptured rank=%d step=%d reason=rng_moved_between_steps",
-                 self.rank, self._progress.step_index)
+        step = self._progress.step_index
+        # one INFO line per run of steps that draw between them (a script drawing between
+        # every two steps logs its first only)
+        level = logging.DEBUG if self._recaptured_step == step - 1 else logging.INFO
+        self._recaptured_step = step
+        log.log(level, "event=per_rank_recaptured rank=%d step=%d reason=rng_moved_between_steps",
+                self.rank, step)
         try:
             self._capture_per_rank()
         except StaleGeneration as exc:  # the keeper already serves a newer generation
