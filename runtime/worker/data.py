@@ -267,7 +267,7 @@ class LoaderPosition:
             self.start_generator = now_generator
             if self.persistent and self.passes == 0:
                 self.first_rng, self.first_generator = now, now_generator
-                self.first_dataset = plain_attributes(_user_dataset(loader))
+                self.first_dataset = _plain_attributes(_user_dataset(loader))
             return base_iter(loader)
         try:
             if restored is None:
@@ -321,7 +321,7 @@ class LoaderPosition:
         return it
 
 
-def plain_attributes(dataset: Any) -> dict[str, Any]:
+def _plain_attributes(dataset: Any) -> dict[str, Any]:
     """The dataset's attributes that are plain values (None, bool, int, float, str), such
     as the epoch a ``set_epoch`` method stores: what a script changes between passes."""
     return {name: value for name, value in getattr(dataset, "__dict__", {}).items()
@@ -335,7 +335,7 @@ def _attributes_as(dataset: Any, attributes: dict[str, Any] | None) -> Iterator[
     first pass (a streaming dataset's ``set_epoch`` after it never reached those workers
     under torchrun either: each epoch read the first epoch's order there, and a
     replacement's fresh workers read the restored epoch's, other parameters)."""
-    now = plain_attributes(dataset)
+    now = _plain_attributes(dataset)
     for name, value in (attributes or {}).items():
         if name in now:
             setattr(dataset, name, value)
