@@ -109,6 +109,26 @@ def _future_of(work: dist.Work) -> Future:
     return future
 
 
+class _Failure:
+    """A collective's failure, carried as the value of its inner future to
+    ``_raise_failure``. ``Future.set_exception`` would not do: it completes the future
+    *successfully* with the exception object as its value, raised only by a Python reader;
+    DDP's C++ reducer reads that value as its bucket's tensor and crashed the process
+    (SIGSEGV in ``parseCppCommHookResult``: a survivor of an unmodified script whose peer
+    died in the backward pass). Raised in a ``then`` callback instead, the failure is the
+    future's error, which the reducer raises from ``backward()`` as plain gloo's does."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _raise_failure(inner: Future) -> Any:
+    value = inner.value()
+    if isinstance(value, _Failure):
+        raise value.error
+    return value
+
+
 def _done(value: Any) -> _FutureWork:
     future: Future = Future()
     future.set_result(value)
@@ -214,7 +234,7 @@ class _Forwarding(dist.ProcessGroup):
             self._pending[token] = (future, noop, collective.generation, call)
         _future_of(work).then(functools.partial(self._settle, token, name))
         self._abort_if_superseded()     # announced before this call was pending
-        return _FutureWork(future)
+        return _FutureWork(future.then(_raise_failure))
 
     def _refused(self, name: str, noop: Any, reason: str) -> dist.Work:
         if self._collective.absorb_faults:
@@ -234,10 +254,7 @@ class _Forwarding(dist.ProcessGroup):
             # of the current one
             if generation == self._collective.generation:
                 self._collective.mark_fault(f"{name} failed: {exc}")
-            if self._collective.absorb_faults:
-                future.set_result(noop)
-            else:
-                future.set_exception(exc)
+            future.set_result(noop if self._collective.absorb_faults else _Failure(exc))
             return
         if call is not None:
             self._setup.keep(call, noop)
@@ -615,6 +632,13 @@ def _form_or_follow(ctx: WorkerContext, collective: Collective, joining: bool) -
 def default_group() -> DefaultGroup | None:
     """The default group built by the user's ``init_process_group()``, or None."""
     return _world.get("group")
+
+
+def group_fault() -> str:
+    """Why this process's default group failed in its current generation (a collective
+    met a dead or departed peer), "" when it has not or none was made."""
+    collective = _world.get("collective")
+    return (collective.fault or "") if collective is not None else ""
 
 
 def reset() -> None:

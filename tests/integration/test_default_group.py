@@ -120,6 +120,33 @@ def test_without_a_session_a_failed_generation_raises() -> None:
     assert "allreduce on the default group: peer died" in error
 
 
+def _ddp_peer_dies_in_backward(rank: Rank) -> str:
+    """An unmodified script's DDP (no Session): rank 1 leaves after its forward, so rank
+    0's backward all-reduce fails when the peer's process is gone."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    _, group = formed(rank)
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(8, 8), process_group=group)
+    ddp(torch.ones(2, 8)).sum().backward()
+    loss = ddp(torch.ones(2, 8)).sum()
+    if rank.rank == 1:
+        return ""                       # its process exits: its gloo sockets close
+    with pytest.raises(RuntimeError, match="Connection closed by peer|Connection reset"
+                       ) as raised:
+        loss.backward()
+    return str(raised.value)
+
+
+@pytest.mark.timeout(90)
+def test_without_a_session_a_peer_lost_in_ddps_backward_raises_from_backward() -> None:
+    """As plain gloo under torchrun: ``backward()`` raises the peer's failure. The failure
+    was the value of a future DDP's C++ reducer read as its bucket: the survivor died of
+    SIGSEGV (``parseCppCommHookResult``) with a fatal-error dump in its log."""
+    error, _ = on_ranks(_ddp_peer_dies_in_backward, await_teardowns=False)
+    assert "peer" in error
+
+
 def _joining(rank: Rank) -> dict:
     if rank.rank == 0:
         _, group = formed(rank)
