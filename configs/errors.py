@@ -70,13 +70,18 @@ class SparePoolExhausted(FatalError):
 
 
 class WorkerFailed(FatalError):
-    """A worker's entrypoint raised; ``traceback_text`` holds the worker's traceback."""
+    """A worker's entrypoint raised; ``traceback_text`` holds the worker's traceback.
+    ``peer_failure``: why the rank's default group had failed before it raised (a peer
+    died or left), empty when it had not: the script raised because of another rank's
+    fault, not a bug of its own."""
 
-    def __init__(self, rank: int, message: str, traceback_text: str = "") -> None:
-        super().__init__(rank, message, traceback_text)
+    def __init__(self, rank: int, message: str, traceback_text: str = "",
+                 peer_failure: str = "") -> None:
+        super().__init__(rank, message, traceback_text, peer_failure)
         self.rank = rank
         self.message = message
         self.traceback_text = traceback_text
+        self.peer_failure = peer_failure
 
     def __str__(self) -> str:
         return f"rank {self.rank} failed: {self.message}\n{self.traceback_text}".rstrip()

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc-per-node", type=int, default=1,
                      help="ranks per node (default 1)")
     run.add_argument("--spares", type=int, default=0, help="warm spares (default 0)")
+    run.add_argument("--max-restarts", type=int, default=None,
+                     help="faults to recover from before the job fails, as torchrun's flag "
+                     "(recovery.max_recoveries; default 20): a script with no phalanx.Session "
+                     "restarts every rank from its top, one with a Session recovers in place")
     run.add_argument("--name", default="", help="job name (default: the script's name)")
     run.add_argument("--config", default=None, help="a YAML config to start from")
     run.add_argument("--set", dest="overrides", action="append", default=[],
@@ -148,6 +152,11 @@ def run_overrides(args: argparse.Namespace) -> list[str]:
               "ray.virtual_nodes": args.nnodes, "spares.count": args.spares, "job.name": name}
     if args.nnodes < 2:           # no other node to hold a replica
         values["replication.factor"] = 0
+    if args.max_restarts is not None:
+        if args.max_restarts < 0:
+            raise ConfigError("--max-restarts", f"{args.max_restarts} is negative",
+                              "use 0 (a fault fails the job) or more")
+        values["recovery.max_recoveries"] = args.max_restarts
     return [f"{key}={json.dumps(value)}" for key, value in values.items()]
 
 
@@ -182,13 +191,20 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
     for rank, digest in hashes.items():
         if digest:
             print(f"rank {rank} final parameter hash {digest}")
-    if result.results and not any(isinstance(value, dict) and value.get("state_digest")
-                                  for value in result.results.values()):
+    sessionless = bool(result.results) and not any(
+        isinstance(value, dict) and value.get("state_digest") for value in result.results.values())
+    if sessionless:
         console.print(f"phalanx: no rank of job {cfg.job.name} ran a phalanx.Session: no step "
-                      "was counted and nothing was snapshotted, so a fault would have ended "
-                      "the job as under torchrun; docs/porting.md shows the seven lines that "
-                      "make the script fault tolerant", highlight=False, markup=False)
+                      "was counted and nothing was snapshotted, so a fault restarts every rank "
+                      "from the top of the script (torchrun's --max-restarts); "
+                      "docs/porting.md shows the seven lines that make the script recover "
+                      "in place", highlight=False, markup=False)
     for record in result.recoveries:
+        if record.get("restarted"):
+            print(f"restarted every rank from the top of its script after {record['fault']} "
+                  f"of rank(s) {record['ranks']}: generation {record['generation']}, fault to "
+                  f"restart {record['fault_to_first_step_s']:.2f} s")
+            continue
         print(f"recovered from {record['fault']} of rank(s) {record['ranks']}: generation "
               f"{record['generation']}, rolled back to step {record['restore_step']}, fault to "
               f"first step {record['fault_to_first_step_s']:.2f} s")
@@ -198,8 +214,11 @@ def _launch(args: argparse.Namespace, console: Console) -> int:
                 f"{kind} steps {info[key]}" for kind, key in (("own", "local"), ("replica", "replica"))
                 if info.get(key))
             for rank, info in sorted(held.items()))
-        print(f"keeper {node}: {summary}")
-    if result.summary.get("goodput"):
+        if summary:      # a keeper holding nothing (a job without a Session) says nothing
+            print(f"keeper {node}: {summary}")
+    if sessionless:
+        print("goodput not measured: it counts the steps of a phalanx.Session")
+    elif result.summary.get("goodput"):
         from phalanx.launcher.goodput import summary_line
 
         print(summary_line(result.summary["goodput"]))

@@ -126,6 +126,7 @@ class JobRunner:
         self.metrics: JobMetrics | None = None       # only with metrics.port
         self._started_at = time.time()   # the launch on the wall clock (goodput); reset in run
         self._first_step_seen = False    # a rank finished a step (no start-up retry after)
+        self._session_seen = False       # a rank's Session reported (else: restart, no heal)
         self._dead_at_start: list[str] = []   # Ray nodes already dead when Ray came up
         self._stop_signal: int | None = None  # SIGINT or SIGTERM received
         if standby and not cfg.coordinator.standby:
@@ -165,7 +166,7 @@ class JobRunner:
         """One launch in a fresh run directory; ``StartupLost`` when Ray lost a node before
         the job's first step (services, keepers, spares, ranks: all stopped again)."""
         self.keepers, self._slots, self._signals_at_start = {}, {}, []
-        self._first_step_seen = False
+        self._first_step_seen = self._session_seen = False
         run = RunDir.create(self.cfg)
         if self.resume_point is not None:
             adopt_secret(run.path, self.resume_point, self.cfg)
@@ -573,6 +574,8 @@ class JobRunner:
                 faults = coordinator.fresh(self._classify(polled, slots, coordinator, stall))
                 self._first_step_seen = self._first_step_seen or any(
                     m.step >= 1 for m in members.values() if m.rank >= 0)
+                self._session_seen = self._session_seen or any(
+                    m.rank >= 0 for m in members.values())
                 if faults and not self._first_step_seen and any(
                         f.kind in NODE_LOSS_KINDS for f in faults):
                     self._check_startup_nodes(faults[0].evidence, wait_s=self._ray_death_s())
@@ -585,7 +588,8 @@ class JobRunner:
                     stall.reset()
                 coordinator.retry(slots)
                 coordinator.check_resumed(members)
-                coordinator.check_rejoined(members, set(results), monitor.last_seen)
+                coordinator.check_rejoined(members, set(results), monitor.last_seen,
+                                           sessionless=not self._session_seen)
                 self._publish_state(run, slots, coordinator)
                 commits.poll(table=outage.last if outage.trusted() else None)
                 if injector is not None:

@@ -42,10 +42,11 @@ class WorkerActor:
         os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         import torch  # warm-up: the import is most of a fresh worker's start-up time
 
-        from phalanx.runtime.group.default_group import install
+        from phalanx.runtime.group.default_group import group_fault, install
         from phalanx.runtime.worker.session import last_state_digest
 
         self._install_group, self._state_digest = install, last_state_digest
+        self._group_fault = group_fault
 
         torch.set_num_threads(torch_threads)
         _warm_torch()
@@ -79,7 +80,8 @@ class WorkerActor:
             text = traceback.format_exc()
             sys.stderr.write(text)
             sys.stderr.flush()
-            self._outcome = WorkerFailed(self._rank, f"{type(exc).__name__}: {exc}", text)
+            self._outcome = WorkerFailed(self._rank, f"{type(exc).__name__}: {exc}", text,
+                                         self._group_fault())
             raise self._outcome from None
         finally:
             sys.stdout.flush()

@@ -282,7 +282,8 @@ class RecoveryCoordinator:
 
     def check_rejoined(self, members: Mapping[str, MemberRecord],
                        finished: set[int],
-                       last_seen: Mapping[str, MemberRecord] | None = None) -> None:
+                       last_seen: Mapping[str, MemberRecord] | None = None,
+                       sessionless: bool = False) -> None:
         """Called every poll: past the pending recovery's bound, a generation some rank
         never joined fails the job (``GroupNotReformed``, event ``recovery_stalled``) rather
         than leaving its ranks waiting minutes for a plan that will not come. A rank of the
@@ -290,9 +291,19 @@ class RecoveryCoordinator:
         the plan returned after joining the generation (``last_seen``: each worker's last
         member record): the fault struck after the last step (an evaluation after the
         last epoch, which the ranks then ran again together) and the recovery is complete
-        without a step."""
+        without a step.
+
+        ``sessionless``: no rank has run a Session in this job (an unmodified torchrun
+        script): every rank was restarted from the top of its script, which forms the
+        new generation's group in its own ``init_process_group()`` and reports no step.
+        The recovery is done once the restarted workers run (torchrun's
+        ``--max-restarts``); a group that does not form fails in the script itself."""
         pending = self.pending
         if pending is None:
+            return
+        if sessionless:
+            self._complete(pending, time.time(), pending.restore_step, healed=False,
+                           restarted=True)
             return
         gone = finished & set(pending.workers)
         if gone == set(pending.workers) and self._all_joined(pending, members, last_seen):
@@ -653,9 +664,11 @@ class RecoveryCoordinator:
         return self._complete(pending, first_step, resumed, was_healed)
 
     def _complete(self, pending: Recovery, first_step: float, resumed: int,
-                  healed: bool) -> dict[str, Any]:
+                  healed: bool, restarted: bool = False) -> dict[str, Any]:
         """Record the pending recovery as done: every rank took its first step in the new
-        generation at ``first_step`` (or returned there after joining it)."""
+        generation at ``first_step`` (or returned there after joining it; ``restarted``:
+        a job without a Session, whose ranks started their script over at
+        ``first_step``)."""
         if self.phases.phase is Phase.RESTORING:
             self.phases.transition(Phase.RESUMING, "ranks rejoined")
         self.phases.transition(Phase.STEADY, f"generation {pending.generation} stepping")
@@ -669,6 +682,8 @@ class RecoveryCoordinator:
                   "fault_to_first_step_s": round(first_step - pending.fault_wall, 3),
                   "lost_steps": max(0, newest - resumed), "phases_s": phases,
                   "reason": pending.plan_reason}
+        if restarted:
+            record["restarted"] = True
         self.history.append(record)
         self.events.emit("recovered", **record)
         self.pending = None

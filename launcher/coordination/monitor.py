@@ -144,8 +144,17 @@ class Monitor:
         the same way): then the job fails with the worker's own traceback. A rank that
         raised leaves etcd as its session closes, often before its call's error reaches
         this poll: its last record seen tells that it joined (the ``mixed`` drill's
-        injected exception once failed a CI run as "never joined" that way)."""
+        injected exception once failed a CI run as "never joined" that way).
+
+        A rank with no Session whose collective had failed first (``peer_failure``: a
+        peer died or left) raised because of that peer's fault, as plain gloo raises
+        under torchrun: it is restarted with the others, never the job's failure."""
         record = members.get(slot.worker_id) or self._seen.get(slot.worker_id)
+        if record is None and error.peer_failure:
+            log.warning("event=worker_raised_after_peer_failure rank=%d worker=%s "
+                        "group_fault=%r", slot.rank, slot.worker_id, error.peer_failure[:300])
+            return WorkerRaised(Rank(slot.rank), f"{error.message}\n{error.traceback_text}",
+                                now)
         key = (slot.rank, record.step if record is not None else -1)
         if self._on_exception == "fail" or key in self._raised_at or record is None \
                 or error.message.startswith(NOT_RECOVERABLE):
