@@ -19,7 +19,7 @@ from rich.console import Console
 from phalanx.configs.errors import ConfigError, PhalanxError, PlanInfeasible, TransientError
 from phalanx.configs.schema import PhalanxConfig
 from phalanx.runtime.base import (FINISHED_PREFIX, Generation, MemberRecord, Rank, Step, WorkerId,
-                                  node_name)
+                                  group_formed_key, node_name)
 from phalanx.runtime.tiers.config import build_tiers
 from phalanx.launcher.coordination.commit_tracker import CommitTracker, reset_commit_point
 from phalanx.launcher.coordination.bounds import fault_after_finish, unfinished_faults
@@ -90,6 +90,9 @@ STARTUP_ATTEMPTS = 3
 REPORT_STALE_BEATS = 3
 KEEPER_START_S = 60.0    # the job's keepers, each its node's first Ray worker, start within
 KEEPER_CLOSE_S = 10.0    # a job's keepers unlink their shared memory within this, together
+# every rank's script formed its first group this long ago and no Session reported: the
+# job trains without one, and a node lost from then on is no start-up race (_scripts_formed_group)
+SESSIONLESS_AFTER_S = 10.0
 NODE_LOSS_KINDS = (FaultKind.WORKER_DIED, FaultKind.NODE_DIED, FaultKind.KEEPER_DIED,
                    FaultKind.LEASE_LOST, FaultKind.COLLECTIVE_ERROR)
 
@@ -127,6 +130,7 @@ class JobRunner:
         self._started_at = time.time()   # the launch on the wall clock (goodput); reset in run
         self._first_step_seen = False    # a rank finished a step (no start-up retry after)
         self._session_seen = False       # a rank's Session reported (else: restart, no heal)
+        self._formed_at: float | None = None   # every rank's script formed its first group
         self._dead_at_start: list[str] = []   # Ray nodes already dead when Ray came up
         self._stop_signal: int | None = None  # SIGINT or SIGTERM received
         if standby and not cfg.coordinator.standby:
@@ -167,6 +171,7 @@ class JobRunner:
         the job's first step (services, keepers, spares, ranks: all stopped again)."""
         self.keepers, self._slots, self._signals_at_start = {}, {}, []
         self._first_step_seen = self._session_seen = False
+        self._formed_at = None
         run = RunDir.create(self.cfg)
         if self.resume_point is not None:
             adopt_secret(run.path, self.resume_point, self.cfg)
@@ -226,6 +231,24 @@ class JobRunner:
         """How long Ray takes to declare a killed raylet dead, plus a second."""
         ray_cfg = self.cfg.ray
         return ray_cfg.health_check_period_ms * ray_cfg.health_check_failure_threshold / 1000 + 1
+
+    def _scripts_formed_group(self) -> bool:
+        """Whether every rank's script formed the first generation's default group at least
+        ``SESSIONLESS_AFTER_S`` ago and no Session has reported since: a script without a
+        Session trains from there and reports no step, so a node lost later is a fault to
+        restart its ranks from, not Ray's own start-up race (which relaunched the whole job
+        in a new run directory, uncounted by ``recovery.max_recoveries``). The delay keeps
+        a Session job's start-up (its Session reports within seconds of the group) as it
+        was."""
+        if self._formed_at is None:
+            try:
+                formed = self.services.store.add(group_formed_key(0), 0)
+            except RuntimeError:        # the store is the launcher's own: not expected
+                return False
+            if formed < self.cfg.job.world_size:
+                return False
+            self._formed_at = time.monotonic()
+        return time.monotonic() - self._formed_at >= SESSIONLESS_AFTER_S
 
     def _check_startup_nodes(self, cause: BaseException | str, wait_s: float = 0.0) -> None:
         """Raise ``StartupLost`` when a Ray node died since Ray came up (Ray asked for up
@@ -576,6 +599,8 @@ class JobRunner:
                     m.step >= 1 for m in members.values() if m.rank >= 0)
                 self._session_seen = self._session_seen or any(
                     m.rank >= 0 for m in members.values())
+                if not self._first_step_seen and not self._session_seen:
+                    self._first_step_seen = self._scripts_formed_group()
                 if faults and not self._first_step_seen and any(
                         f.kind in NODE_LOSS_KINDS for f in faults):
                     self._check_startup_nodes(faults[0].evidence, wait_s=self._ray_death_s())

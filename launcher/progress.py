@@ -82,8 +82,7 @@ class ProgressView:
     def _plain_line(self, now: float) -> str:
         steps = [row.step for row in self._rows.values()]
         if max(steps) < 0:      # before any Session's first step, or a script without one
-            return (f"[{now - self._started:6.1f}s] no step reported yet (steps are counted "
-                    f"by a phalanx.Session's session.step())")
+            return f"[{now - self._started:6.1f}s] no step reported yet (session.step() counts)"
         total = f"/{self._total}" if self._total else ""
         replays = [str(rank) for rank, row in sorted(self._rows.items()) if row.replaying]
         return (f"[{now - self._started:6.1f}s] steps {min(steps)}..{max(steps)}{total} "

@@ -130,6 +130,13 @@ NODE_PREFIX = "node"
 FINISHED_PREFIX = "finished/"
 
 
+def group_formed_key(generation: int) -> str:
+    """The launcher's store counter of ranks whose script's ``init_process_group()`` formed
+    ``generation``'s default group (its script trains from there, with or without a
+    Session)."""
+    return f"phalanx/default_group_formed/gen{generation}"
+
+
 def node_name(index: int) -> NodeId:
     """The name of node ``index`` in etcd keys, shm files, plans and reports."""
     return NodeId(f"{NODE_PREFIX}{index}")

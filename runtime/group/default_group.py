@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.futures import Future
 
+from phalanx.runtime.base import group_formed_key
 from phalanx.runtime.context import WorkerContext
 from phalanx.runtime.group.collective import Collective, CollectiveAborted
 from phalanx.runtime.group.process_group import connect_store
@@ -685,6 +686,7 @@ def install(ctx: WorkerContext) -> None:
         # shown as gloo (dist.get_backend, subgroups made with the default backend)
         c10d._world.pg_map[group] = ("gloo", group_store)
         _world["group"] = group
+        collective.store.add(group_formed_key(collective.generation), 1)
 
     init_process_group.__wrapped__ = original
     setattr(dist, "init_process_group", init_process_group)
