@@ -153,7 +153,8 @@ class Monitor:
         if record is None and error.peer_failure:
             log.warning("event=worker_raised_after_peer_failure rank=%d worker=%s "
                         "group_fault=%r", slot.rank, slot.worker_id, error.peer_failure[:300])
-            return WorkerRaised(Rank(slot.rank), f"{error.message}\n{error.traceback_text}",
+            return WorkerRaised(Rank(slot.rank), f"{error.message}\n{error.traceback_text}\n"
+                                f"raised after its group failed: {error.peer_failure[:200]}",
                                 now)
         key = (slot.rank, record.step if record is not None else -1)
         if self._on_exception == "fail" or key in self._raised_at or record is None \
