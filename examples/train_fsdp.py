@@ -5,7 +5,7 @@ same script runs under torchrun (the Session then snapshots nothing):
 
     torchrun --nproc-per-node 2 examples/train_fsdp.py --steps 40 --out /tmp/fsdp
     phalanx run --nnodes 2 --spares 1 examples/train_fsdp.py --steps 40 --out /tmp/fsdp
-    phalanx drill run configs/drills/fsdp_kill_worker.yaml --config configs/fsdp.yaml --verify
+    phalanx drill run configs/drills/kill_node.yaml --config configs/fsdp.yaml --verify
 
 With ``--replicate N`` the mesh is 2-D (HSDP): parameters are sharded within groups of
 world/N ranks and replicated across N such groups.
@@ -16,6 +16,7 @@ Writes ``OUT.rank<r>``: the sha256 of the rank's final local shards (docs/portin
 """
 import argparse
 import hashlib
+import os
 import time
 
 import torch
@@ -71,6 +72,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replicate", type=int, default=1,
                         help="HSDP: shard within groups of world/REPLICATE ranks, replicate "
                              "across REPLICATE such groups (a 2-D mesh)")
+    parser.add_argument("--mesh-only", action="store_true",
+                        help="no init_process_group of the script's own: init_device_mesh "
+                             "makes the default group itself (the DTensor and "
+                             "tensor-parallel tutorials' shape)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--out", default="", help="write the final hash to OUT.rank<r>")
     return parser.parse_args()
@@ -79,13 +84,15 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if not args.mesh_only:      # else init_device_mesh makes the default group itself
+        dist.init_process_group("gloo")
+    world = int(os.environ["WORLD_SIZE"])       # torchrun's (and phalanx's) environment
     if args.replicate > 1:      # HSDP: the mesh's dimensions are groups made by new_group
         mesh = init_device_mesh("cpu", (args.replicate, world // args.replicate),
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    rank = dist.get_rank()
     torch.manual_seed(args.seed)                # every rank builds the same full model
     model = MLP(args.width, args.depth)
     for layer in model.layers:

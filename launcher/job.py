@@ -388,7 +388,9 @@ class JobRunner:
                      pool: SparePool | None) -> RecoveryCoordinator:
         coordinator = RecoveryCoordinator(
             self.cfg, services.membership, self.keepers, pool,
-            lambda slot, gen, restore: self._launch(run, slot, gen, restore), events,
+            # a worker started by a recovery: the recoveries before it, this one counted
+            lambda slot, gen, restore: self._launch(run, slot, gen, restore,
+                                                    coordinator.recoveries + 1), events,
             str(run.path))
         coordinator.store_address = (services.store_host, services.store.port)
         coordinator.still_leading = self._check_leadership   # asked between recovery retries
@@ -473,7 +475,7 @@ class JobRunner:
         return held
 
     def _context(self, run: RunDir, slot: RankSlot, generation: int,
-                 restore: dict | None) -> WorkerContext:
+                 restore: dict | None, restarts: int) -> WorkerContext:
         cfg, services = self.cfg, self.services
         keeper_host, keeper_port = self.keepers[slot.node][1] if slot.node in self.keepers \
             else ("", 0)
@@ -482,7 +484,8 @@ class JobRunner:
             local_rank=assign_local_rank(self._slots, slot),
             local_world_size=local_world_size(self._slots, slot),
             node=node_name(slot.node),
-            worker_id=slot.worker_id, generation=generation, master_addr=services.store_host,
+            worker_id=slot.worker_id, generation=generation, restart_count=restarts,
+            max_restarts=cfg.recovery.max_recoveries, master_addr=services.store_host,
             master_port=services.store.port, etcd_endpoints=tuple(services.etcd_endpoints),
             etcd_prefix=cfg.etcd.prefix, lease_ttl_s=cfg.etcd.lease_ttl_s,
             heartbeat_s=cfg.etcd.heartbeat_s, group_timeout_s=cfg.recovery.group_timeout_s,
@@ -519,14 +522,16 @@ class JobRunner:
         if not self.handed_over:
             _close_keepers(list(actors.values()))
 
-    def _launch(self, run: RunDir, slot: RankSlot, generation: int, restore: dict | None) -> Any:
-        """Start ``slot``'s entrypoint (a fresh actor when it has none); returns the ref."""
+    def _launch(self, run: RunDir, slot: RankSlot, generation: int, restore: dict | None,
+                restarts: int = 0) -> Any:
+        """Start ``slot``'s entrypoint (a fresh actor when it has none); returns the ref.
+        ``restarts``: the job's recoveries so far, its torchrun restart count."""
         if slot.actor is None:
             slot.name = f"{self.cfg.job.name}-{slot.worker_id}-r{slot.rank}"
             slot.actor = self._new_actor(slot.node, f"{slot.worker_id}-r{slot.rank}")
         else:
             self._stack.callback(self._release_actor, slot.actor)
-        ctx = self._context(run, slot, generation, restore)
+        ctx = self._context(run, slot, generation, restore, restarts)
         args = ({"argv": list(self.cfg.job.argv)} if is_script(self.entrypoint)
                 else dict(self.cfg.job.args))
         return slot.actor.run.remote(ctx.to_env(), args,

@@ -27,6 +27,11 @@ class WorkerContext:
     node: str = "node0"
     worker_id: str = "standalone"
     generation: int = 0
+    # torchrun's TORCHELASTIC_RESTART_COUNT and _MAX_RESTARTS: the job's recoveries before
+    # this worker started (a script without a Session restarts every rank at each) and
+    # recovery.max_recoveries (`phalanx run --max-restarts`)
+    restart_count: int = 0
+    max_restarts: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     etcd_endpoints: tuple[str, ...] = ()
@@ -70,8 +75,8 @@ class WorkerContext:
             "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
             "GROUP_RANK": str(_group_rank(self.node)), "ROLE_RANK": str(self.rank),
             "ROLE_WORLD_SIZE": str(self.world_size), "ROLE_NAME": "default",
-            "TORCHELASTIC_RUN_ID": self.job, "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RUN_ID": self.job, "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port), "PHALANX_JOB": self.job,
             "PHALANX_NODE": self.node, "PHALANX_GENERATION": str(self.generation),

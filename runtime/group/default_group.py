@@ -689,10 +689,23 @@ def install(ctx: WorkerContext) -> None:
         collective.store.add(group_formed_key(collective.generation), 1)
 
     init_process_group.__wrapped__ = original
-    setattr(dist, "init_process_group", init_process_group)
-    setattr(c10d, "init_process_group", init_process_group)
+    for module in _callers_of_init():
+        setattr(module, "init_process_group", init_process_group)
     _patch_ddp()
     process_collective(ctx)
+
+
+def _callers_of_init() -> list[Any]:
+    """The modules whose ``init_process_group`` a script reaches: ``torch.distributed``,
+    its ``distributed_c10d``, and ``device_mesh``, which imported the name for itself:
+    ``init_device_mesh`` with no group yet (the DTensor and tensor-parallel tutorials,
+    FSDP2 scripts that make only a mesh) calls it through that binding."""
+    import torch.distributed.device_mesh as device_mesh
+
+    modules: list[Any] = [dist, c10d]
+    if hasattr(device_mesh, "init_process_group"):
+        modules.append(device_mesh)
+    return modules
 
 
 def _ours(backend: str | None, init_method: str | None, store: dist.Store | None) -> bool:

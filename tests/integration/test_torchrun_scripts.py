@@ -330,7 +330,8 @@ def test_a_script_without_a_session_restarts_every_rank_from_its_own_checkpoint(
     2 nodes: node 1 lost mid-run (its raylet, keeper and worker SIGKILLed) restarts every
     rank from the top of the script, as torchrun's ``--max-restarts`` does (the warm spare
     takes one rank); they go on from the script's snapshot and end with the parameters of
-    a fault-free torchrun run. Before, the survivor died of SIGSEGV in DDP's reducer (or,
+    a fault-free torchrun run; the restarted ranks read TORCHELASTIC_RESTART_COUNT 1 (it was
+    always 0) and TORCHELASTIC_MAX_RESTARTS 20. Before, the survivor died of SIGSEGV in DDP's reducer (or,
     once that was mended, failed the job with its peer's error); a lost node was taken for
     Ray's start-up race and the whole job launched again in a new run directory; and
     restarted ranks, which report no step, failed the job 66 s later as never rejoined."""
@@ -376,8 +377,12 @@ def test_a_script_without_a_session_restarts_every_rank_from_its_own_checkpoint(
     assert sorted(promoted) == [0, 1] and "spare0" in promoted.values(), promoted
     restarted = "".join((run / "logs" / f"rank_{r}_{w}.log").read_text()
                         for r, w in promoted.items())
-    starts = [int(n) for n in re.findall(r"^rank \d starts at epoch (\d+)$", restarted, re.M)]
+    found = re.findall(r"^rank \d starts at epoch (\d+) \(restart (\d+) of at most (\d+)\)$",
+                       restarted, re.M)
+    starts = [int(epoch) for epoch, _, _ in found]
     assert len(starts) == 2 and len(set(starts)) == 1 and starts[0] >= 13, starts
+    # torchrun's restart count and limit, as the script reads them (--max-restarts's default)
+    assert {(restart, most) for _, restart, most in found} == {("1", "20")}, found
     logs = "".join(p.read_text() for p in (run / "logs").glob("rank_*.log"))
     assert "Fatal Python error" not in logs and "SIGSEGV" not in logs
     assert (tmp_path / "phalanx.sha").read_text() == (tmp_path / "torchrun.sha").read_text()

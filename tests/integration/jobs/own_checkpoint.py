@@ -43,7 +43,9 @@ def main() -> None:
         model.load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])
         first = snapshot["epoch"]
-    print(f"rank {rank} starts at epoch {first}", flush=True)
+    print(f"rank {rank} starts at epoch {first} (restart "
+          f"{os.environ['TORCHELASTIC_RESTART_COUNT']} of at most "
+          f"{os.environ['TORCHELASTIC_MAX_RESTARTS']})", flush=True)
     ddp = DistributedDataParallel(model)
     for epoch in range(first, args.epochs):
         sampler.set_epoch(epoch)
