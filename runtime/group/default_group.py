@@ -565,9 +565,14 @@ def _patch_ddp() -> None:
         register_builtin(self, comm_hook_type)
         self._phalanx_builtin_hook = comm_hook_type      # for _capped_buckets
 
-    _pre_forward.__wrapped__ = original
+    # torch.compile(DDP(model)) runs DDP's own frames eagerly (dynamo skips torch's DDP
+    # file) and compiles the module under it; this wrapper is not in torch, so dynamo
+    # traced it and failed on the process group it reads (`UnsafeScriptObjectError`, the
+    # script's first forward). Run eagerly, as DDP's own `_pre_forward` is.
+    eager = torch._disable_dynamo(_pre_forward)
+    eager.__wrapped__ = original  # type: ignore[attr-defined]  # (torch's wrapper is untyped)
     _register_builtin_comm_hook.__wrapped__ = register_builtin
-    DistributedDataParallel._pre_forward = _pre_forward   # type: ignore[method-assign]
+    DistributedDataParallel._pre_forward = eager   # type: ignore[method-assign]
     DistributedDataParallel._register_builtin_comm_hook = (   # type: ignore[method-assign]
         _register_builtin_comm_hook)
 

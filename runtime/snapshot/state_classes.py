@@ -208,6 +208,13 @@ def _ddp_wrapped(modules: Mapping[str, torch.nn.Module]) -> dict[int, Any]:
             if issubclass(type(obj), DistributedDataParallel) and id(obj.module) in wanted}
 
 
+def _compiled(module: torch.nn.Module) -> Any:
+    """The module ``torch.compile`` wrapped (its ``OptimizedModule``'s ``_orig_mod``), or
+    None for a module that is not a compiled one (type name only: no dynamo import)."""
+    return getattr(module, "_orig_mod", None) if type(module).__name__ == "OptimizedModule" \
+        else None
+
+
 def _ddp_replicas(ddp: Any) -> tuple[int, ...]:
     """The ranks a DDP module's parameters are alike on: those of its process group when
     that is not the whole world (a data-parallel group made by ``new_group``, beside
@@ -231,7 +238,8 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
              *, data_parallel: bool = True) -> StateClasses:
     """Sort ``objects`` (name -> registered object) into the state classes.
 
-    Inferred: a DDP module (registered as the DDP wrapper or as the module it wraps) has
+    Inferred: a DDP module (registered as the DDP wrapper, as the module it wraps, or as
+    ``torch.compile``'s wrapper of the DDP module) has
     parameters replicated over its process group's ranks and per-rank buffers; a module
     with ``DTensor`` parameters is replicated over their mesh's replicate dimension when it
     has one (HSDP), else sharded; an optimizer is replicated when every parameter it
@@ -271,6 +279,8 @@ def classify(objects: Mapping[str, Any], declared: Mapping[str, str] | None = No
         sharded = any(_is_sharded(p) for p in params)
         group = _mesh_replicas(params) if data_parallel and sharded else None
         ddp = obj if isinstance(obj, DistributedDataParallel) else wrapped.get(id(obj))
+        if ddp is None and isinstance(_compiled(obj), DistributedDataParallel):
+            ddp = _compiled(obj)        # torch.compile(DDP(model)): the same parameters
         if sharded:
             kind = "sharded" if group is None else "replicated"
         elif ddp is not None:

@@ -266,6 +266,42 @@ def test_ddp_on_a_fault_tolerant_group_gets_a_layout_every_rank_computes_alone()
     assert results[0]["layouts"] == results[1]["layouts"]
 
 
+def _compiled_ddp(rank: Rank) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from phalanx.runtime.group.default_group import _patch_ddp
+
+    collective, group = formed(rank)
+    collective.absorb_faults = True         # as a Session does when it starts
+    _patch_ddp()
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)),
+                                  process_group=group)     # linear: the mean input's gradient
+    compiled = torch.compile(ddp, backend="eager")      # dynamo's tracing, no code generation
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+    errors = []
+    for step in range(3):
+        compiled(torch.full((4, 8), float(rank.rank + step))).sum().backward()
+        local(torch.full((4, 8), 0.5 + step)).sum().backward()      # both ranks' mean input
+        errors.append(max(float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+                          for p, q in zip(ddp.module.parameters(), local.parameters())))
+    return {"errors": errors, "capped": getattr(ddp, "_phalanx_capped", False)}
+
+
+@pytest.mark.timeout(120)
+def test_torch_compile_of_a_ddp_module_on_a_fault_tolerant_group_trains() -> None:
+    """``torch.compile(DDP(model))``, the order PyTorch's DDP + compile notes give: dynamo
+    runs DDP's own frames eagerly and compiles the module under it. phalanx's wrapper of
+    DDP's ``_pre_forward`` lives outside torch, so dynamo traced it and the script's first
+    forward failed (``UnsafeScriptObjectError: Attempted to access unregistered member on
+    an OpaqueObject``, the process group); it runs eagerly now, with its bucket layout,
+    and the gradients are averaged over both ranks."""
+    for seen in on_ranks(_compiled_ddp):
+        assert seen["capped"]
+        assert max(seen["errors"]) < 1e-5, seen
+
+
 def _subgroups(rank: Rank) -> dict:
     """Groups the script makes with ``new_group`` over the default group: one of both
     ranks and one of rank 0 alone, used in two generations through the same objects."""
