@@ -74,8 +74,8 @@ class RunObserver:
 
     def _restored(self, record: MemberRecord) -> None:
         restored = record.extra.get("restored")
-        if not isinstance(restored, dict):
-            return
+        if not isinstance(restored, dict) or restored.get("healing"):
+            return      # (a heal's record before the survivors' state arrived: not final)
         key = (record.worker_id, int(restored.get("generation", -1)))
         if key in self._reported:
             return

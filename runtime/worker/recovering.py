@@ -268,7 +268,10 @@ class Rejoining:
                 except (PhalanxError, OSError) as exc:
                     log.warning("event=heal_load_failed rank=%d step=%d error=%s", ctx.rank,
                                 agreement.step, exc)
-            self._restored = {"generation": generation, "step": agreement.step}
+            # (not final: the replicated state is still to come; the launcher reports the
+            # rank's restore from the final record, with its source, bytes and seconds)
+            self._restored = {"generation": generation, "step": agreement.step,
+                              "healing": True}
             self._await_restored(generation, world_size)
             done = heal.finish(agreement, rank=ctx.rank, world=world_size, loaded=bool(source),
                                replicated=classes.replicated if classes.split else {},
