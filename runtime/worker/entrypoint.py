@@ -21,6 +21,22 @@ def is_script(entrypoint: str) -> bool:
     return entrypoint.endswith(".py")
 
 
+def entry_source(entrypoint: str) -> str:
+    """The source text of the entrypoint's file (a script, ``file.py:fn`` or the module of
+    ``module:fn``); "" when it cannot be found or read."""
+    path = entrypoint if is_script(entrypoint) else entrypoint.rpartition(":")[0]
+    if not path.endswith(".py"):
+        try:
+            spec = importlib.util.find_spec(path)
+        except (ImportError, ValueError):
+            return ""
+        path = spec.origin if spec is not None and spec.origin else ""
+    try:
+        return Path(path).read_text(errors="replace") if path else ""
+    except OSError:
+        return ""
+
+
 def resolve_path(entrypoint: str, base_dir: Path) -> str:
     """Make a file entrypoint absolute (relative to ``base_dir``); modules stay as they are."""
     target, _, function = entrypoint.rpartition(":")

@@ -95,3 +95,24 @@ def test_phalanx_run_is_torchrun_shaped() -> None:
     assert "replication.factor=0" in run_overrides(one)     # one node: nowhere to replicate
     with pytest.raises(ConfigError, match="not a Python script"):
         run_overrides(build_parser().parse_args(["run", "train"]))
+
+
+def test_the_entrypoints_source_is_found_for_scripts_files_and_modules(tmp_path: Path) -> None:
+    from phalanx.runtime.worker.entrypoint import entry_source
+
+    (tmp_path / "job.py").write_text("model = torch.compile(model)\n")
+    assert entry_source(str(tmp_path / "job.py")) == "model = torch.compile(model)\n"
+    assert entry_source(f"{tmp_path / 'job.py'}:main") == "model = torch.compile(model)\n"
+    assert "def dumps" in entry_source("json:dumps")           # a module: its file
+    assert entry_source("no_such_module_here:main") == ""
+    assert entry_source(f"{tmp_path / 'missing.py'}:main") == ""
+
+
+def test_a_worker_of_a_script_that_compiles_imports_the_compiler_before_it_is_promoted() -> None:
+    """A promoted spare's ``torch.compile`` call spent 2.4 s importing inductor after the
+    fault; a worker whose entrypoint calls it imports it at warm-up, the others do not."""
+    from phalanx.spares.actor import _warm_compiler
+
+    assert not _warm_compiler("model = DDP(model)\n")
+    assert _warm_compiler("model = torch.compile(DDP(model))\n")
+    assert "torch._inductor.compile_fx" in sys.modules
