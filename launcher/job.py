@@ -450,7 +450,7 @@ class JobRunner:
                          cfg.spares.warmup, cfg.job.cpus_per_worker, node_resource, cfg.job.name,
                          detached=cfg.coordinator.standby, resources=cfg.spares.resources,
                          nodes=cfg.spares.nodes if cfg.spares.placement == "nodes" else None,
-                         replenish=cfg.spares.replenish)
+                         replenish=cfg.spares.replenish, rank_nodes=self._rank_nodes)
         stack.callback(lambda: None if self.handed_over else pool.close())
         if adopt is not None:
             return pool.adopt(adopt.spares, adopt.spare_serial)
@@ -536,6 +536,12 @@ class JobRunner:
                 else dict(self.cfg.job.args))
         return slot.actor.run.remote(ctx.to_env(), args,
                                      str(run.log_path(f"rank_{slot.rank}_{slot.worker_id}")))
+
+    def _rank_nodes(self) -> list[int]:
+        """The node of every rank: where it runs, or will (before the workers start)."""
+        if self._slots:
+            return [slot.node for slot in self._slots.values()]
+        return [rank % self.cfg.job.nodes for rank in range(self.cfg.job.world_size)]
 
     def _start_workers(self, run: RunDir) -> dict[int, RankSlot]:
         slots = {}

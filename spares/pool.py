@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import ray
 
@@ -35,10 +36,12 @@ class SparePool:
     def __init__(self, count: int, entrypoint: str, torch_threads: int, warmup: str,
                  cpus: float, node_resource: Callable[[int], str], job: str,
                  detached: bool = False, resources: dict[str, float] | None = None,
-                 nodes: list[int] | None = None, replenish: bool = True) -> None:
+                 nodes: list[int] | None = None, replenish: bool = True,
+                 rank_nodes: Callable[[], Iterable[int]] = tuple) -> None:
         """``resources``: what each spare asks Ray for besides its node (CPU and GPU become
         num_cpus / num_gpus; ``cpus`` is the CPU default); ``nodes``: the only nodes spares
-        may use (None: every node); ``replenish``: refill after promotions."""
+        may use (None: every node); ``replenish``: refill after promotions; ``rank_nodes``:
+        the node of every rank now (spares go to the nodes running the fewest processes)."""
         self._count = count
         self._entrypoint = entrypoint
         self._threads = torch_threads
@@ -54,14 +57,18 @@ class SparePool:
         self._custom = extra
         self._allowed = set(nodes) if nodes else None
         self._replenish = replenish
+        self._rank_nodes = rank_nodes
         self._health: dict[str, Any] = {}          # spare id -> pending health ping
         self._next_health: dict[str, float] = {}
 
     def start(self, nodes: list[int]) -> "SparePool":
         usable = self._usable(nodes)
-        for index in range(self._count if usable else 0):
-            self._add(usable[index % len(usable)])
+        for _ in range(self._count if usable else 0):
+            self._add(self._least_used(usable))
         return self
+
+    def _least_used(self, nodes: list[int]) -> int:
+        return least_used(nodes, [*self._rank_nodes(), *(s.node for s in self._spares.values())])
 
     def _usable(self, nodes: list[int]) -> list[int]:
         return [n for n in nodes if self._allowed is None or n in self._allowed]
@@ -187,11 +194,7 @@ class SparePool:
         if not live_nodes or (not self._replenish and at_least == 0):
             return
         while len(self._spares) < max(self._count if self._replenish else 0, at_least):
-            used = {node: 0 for node in live_nodes}
-            for spare in self._spares.values():
-                if spare.node in used:
-                    used[spare.node] += 1
-            self._add(min(live_nodes, key=lambda n: (used[n], n)))
+            self._add(self._least_used(live_nodes))
 
     def discard(self, name: str) -> None:
         """Drop the spare whose actor is ``name`` (a standby found it already promoted)."""
@@ -207,3 +210,12 @@ class SparePool:
             with contextlib.suppress(Exception):  # teardown: the actor may already be gone
                 ray.kill(spare.actor, no_restart=True)
         self._spares.clear()
+
+
+def least_used(nodes: list[int], occupied: Iterable[int]) -> int:
+    """The node of ``nodes`` that runs the fewest ranks and spares (``occupied``: the node
+    of each), the lowest index among equals. Round robin puts the ranks that do not divide
+    evenly on the first nodes: 4 ranks on 3 nodes run 2 on node 0, so a spare there made
+    three processes on it while nodes 1 and 2 ran one each."""
+    used = Counter(occupied)
+    return min(nodes, key=lambda node: (used[node], node))

@@ -77,6 +77,8 @@ class Recovery:
     rejoin_s: float = 0.0             # the bound rejoin_by was set from
     workers: dict[int, str] = field(default_factory=dict)   # rank -> its worker in the plan
     slow_restore: bool = False        # a rank's restore outlasted rejoin_by (told once)
+    new_workers: frozenset[str] = frozenset()   # the spares and fresh workers it started
+    workers_up_at: float | None = None  # wall clock: every one of them registered
 
 
 @dataclass
@@ -278,7 +280,10 @@ class RecoveryCoordinator:
                                 {"detect": detect_s}, plan.reason, fault_wall,
                                 max(0, newest - restore_step), phase_start,
                                 self.clock() + bound, bound,
-                                {r: s.worker_id for r, s in slots.items()})
+                                {r: s.worker_id for r, s in slots.items()},
+                                new_workers=frozenset(
+                                    slots[a.rank].worker_id for a in plan.actions
+                                    if isinstance(a, (PromoteSpare, RestartWorker))))
 
     def check_rejoined(self, members: Mapping[str, MemberRecord],
                        finished: set[int],
@@ -301,6 +306,9 @@ class RecoveryCoordinator:
         pending = self.pending
         if pending is None:
             return
+        if pending.workers_up_at is None and pending.new_workers <= {
+                m.worker_id for m in members.values() if m.generation == pending.generation}:
+            pending.workers_up_at = time.time()   # a fresh worker's start-up ends here
         if sessionless:
             self._complete(pending, time.time(), pending.restore_step, healed=False,
                            restarted=True)
@@ -684,6 +692,8 @@ class RecoveryCoordinator:
                   "reason": pending.plan_reason}
         if restarted:
             record["restarted"] = True
+        if pending.new_workers and pending.workers_up_at is not None:
+            record["workers_up_at"] = pending.workers_up_at
         self.history.append(record)
         self.events.emit("recovered", **record)
         self.pending = None

@@ -153,7 +153,10 @@ def _fault_line(fault: dict[str, Any]) -> str:
     if fault.get("detection_s") is not None:
         text += f"detected in {fault['detection_s']:.3f} s, "
     if fault.get("recovery_s") is not None:
-        text += (f"first step after {fault['recovery_s']:.3f} s, lost "
+        up = recovery.get("workers_up_s")
+        text += (f"first step after {fault['recovery_s']:.3f} s"
+                 + ("" if up is None else f" (new workers running after {up:.3f} s)")
+                 + ", lost "
                  f"{recovery.get('lost_steps')} step(s), restored from "
                  f"{sorted({r.get('source_kind') for r in recovery.get('restores', [])})}")
     else:

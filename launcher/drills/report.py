@@ -197,10 +197,14 @@ def _recovery_detail(recovery: Event, events: Sequence[Event], start: float) -> 
                   for e in same if e["event"] == "promoted"]
     plan = next((e for e in same if e["event"] == "plan"), {})
     first, phases = recovery.get("first_step_at"), dict(recovery.get("phases_s") or {})
+    up = recovery.get("workers_up_at")
     return {"generation": generation, "restore_step": recovery.get("restore_step"),
             "fault": recovery.get("fault"), "ranks": list(recovery.get("ranks", ())),
             "phases_s": {p: phases[p] for p in sorted(phases, key=_phase_order)},
             "recovery_s": None if first is None else round(float(first) - start, 3),
+            # injection -> every spare / fresh worker of the plan running: a fresh worker's
+            # start-up (Python, torch) is most of a recovery without a warm spare
+            "workers_up_s": None if up is None else round(float(up) - start, 3),
             "lost_steps": recovery.get("lost_steps"), "restores": restores,
             "bytes_moved": sum(int(r["bytes"] or 0) for r in restores),
             "spare_used": any(p["spare"] for p in promotions), "promotions": promotions,
@@ -275,6 +279,9 @@ def check_expectations(scenario: "Scenario", drilled: RunOutcome,
     rows = [_fired_row(scenario.faults, faults), _outcome_row(expect, drilled)]
     if "max_recovery_s" in expect:
         rows.append(_recovery_time_row(float(expect["max_recovery_s"]), faults))
+    if "max_after_workers_up_s" in expect:
+        rows.append(_recovery_time_row(float(expect["max_after_workers_up_s"]), faults,
+                                       after_workers_up=True))
     if "max_lost_steps" in expect:
         worst = max((int(r.get("lost_steps") or 0) for r in recovered), default=0)
         rows.append(_row("lost steps", f"<= {expect['max_lost_steps']}", worst,
@@ -328,15 +335,23 @@ def _outcome_row(expect: Mapping[str, Any], drilled: RunOutcome) -> dict[str, An
     return _row("job outcome", f"{outcome!r} (unknown: use completes or fails)", code, False)
 
 
-def _recovery_time_row(limit: float, faults: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def _recovery_time_row(limit: float, faults: Sequence[Mapping[str, Any]],
+                       after_workers_up: bool = False) -> dict[str, Any]:
+    """The worst fault's injection -> first step; ``after_workers_up``: from its plan's
+    spares and fresh workers running (their process start-up, Python and torch imports,
+    left out: what remains is phalanx's group, restore and redone step)."""
+    check = "after new workers ran (s)" if after_workers_up else "recovery time (s)"
     needed = [f for f in faults if f["needs_recovery"]]
     times = [f["recovery_s"] for f in needed]
     if not needed:
-        return _row("recovery time (s)", f"<= {limit:g}", "no recovery needed", True)
+        return _row(check, f"<= {limit:g}", "no recovery needed", True)
     if any(t is None for t in times):
-        return _row("recovery time (s)", f"<= {limit:g}", "never", False)
+        return _row(check, f"<= {limit:g}", "never", False)
+    if after_workers_up:
+        times = [round(f["recovery_s"] - (f["recovery"].get("workers_up_s") or 0.0), 3)
+                 for f in needed]
     worst = max(times)
-    return _row("recovery time (s)", f"<= {limit:g}", worst, worst <= limit)
+    return _row(check, f"<= {limit:g}", worst, worst <= limit)
 
 
 def _final_state_row(wanted: str, hashes: Mapping[int, str],
@@ -404,6 +419,8 @@ def _markdown_fault(fault: Mapping[str, Any]) -> list[str]:
     lines += [f"- recovery: generation {rec['generation']}, restore step {rec['restore_step']}, "
               f"{rec['recovery_s']} s from injection to first step, "
               f"lost steps {rec['lost_steps']}", f"- phases: {phases}",
+              *([f"- new workers running {rec['workers_up_s']} s after injection"]
+                if rec.get("workers_up_s") is not None else []),
               f"- promoted: {spares}", f"- restored: {rec['bytes_moved']} bytes moved", ""]
     if rec["restores"]:
         lines += ["| rank | source | kind | bytes | s | GB/s |", "|---|---|---|---|---|---|"]

@@ -22,7 +22,8 @@ PRECONDITION_KEYS = ("tier", "step", "within_s")
 PRECONDITION_TIERS = ("disk", "s3")
 # a held rank goes on after drill_hooks.GATE_WAIT_S (20 s); the fault must fire before
 MAX_PRECONDITION_WAIT_S = 15.0
-EXPECT_KEYS = ("outcome", "error_contains", "max_recovery_s", "max_lost_steps",
+EXPECT_KEYS = ("outcome", "error_contains", "max_recovery_s", "max_after_workers_up_s",
+               "max_lost_steps",
                "final_state", "recoveries", "restore_source", "detected", "events")
 NEEDS = ("s3", "standby", "nodes3")
 OUTCOMES = ("completes", "fails")
@@ -270,6 +271,7 @@ def _expect(raw: Any, source: str) -> dict[str, Any]:
         "outcome": (lambda v: v in OUTCOMES, f"one of {list(OUTCOMES)}"),
         "error_contains": (lambda v: isinstance(v, str) and v, "a non-empty string"),
         "max_recovery_s": (lambda v: _number(v) and v > 0, "a number of seconds > 0"),
+        "max_after_workers_up_s": (lambda v: _number(v) and v > 0, "a number of seconds > 0"),
         "max_lost_steps": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
         "final_state": (lambda v: v in ("identical", "any"), "identical or any"),
         "recoveries": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),

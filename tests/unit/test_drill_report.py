@@ -307,3 +307,37 @@ def test_goodput_comes_from_the_summary_or_else_from_the_events(tmp_path: Path) 
     fallback = build_report(_demo_scenario(), _ok(), None, "", events)["goodput"]
     assert fallback["source"].startswith("events.jsonl")
     assert abs(fallback["sum_s"] - fallback["wall_s"]) <= 0.01 * fallback["wall_s"]
+
+
+def test_a_recovery_says_when_its_new_workers_were_running() -> None:
+    from phalanx.launcher.drills.commands import _fault_line
+    from phalanx.launcher.drills.report import render_markdown
+
+    scenario = _Scenario("cold", (FaultSpec("kill_worker", rank=1, at_step=10),))
+    events = [_started(), *_kill(step=10, at=2.0, rank=1, generation=1, lost=0)]
+    events[-1]["workers_up_at"] = T0 + 2.0 + 0.75      # the fresh worker registered
+    (fault,) = build_report(scenario, _ok(), None, "", events)["faults"]
+    assert fault["recovery"]["workers_up_s"] == 0.75 and fault["recovery_s"] == 1.0
+    assert "(new workers running after 0.750 s)" in _fault_line(fault)
+    assert "- new workers running 0.75 s after injection" in render_markdown(
+        build_report(scenario, _ok(), None, "", events))
+    del events[-1]["workers_up_at"]                       # a recovery that started none
+    (fault,) = build_report(scenario, _ok(), None, "", events)["faults"]
+    assert fault["recovery"]["workers_up_s"] is None
+    assert "new workers" not in _fault_line(fault)
+
+
+def test_the_time_after_new_workers_ran_is_checked_apart_from_their_start_up() -> None:
+    events = [_started(), *_kill(step=10, at=2.0, rank=1, generation=1, lost=0)]
+    events[-1]["workers_up_at"] = T0 + 2.0 + 0.75      # first step 1.0 s after the kill
+
+    def row(limit: float) -> dict[str, Any]:
+        scenario = _Scenario("cold", (FaultSpec("kill_worker", rank=1, at_step=10),),
+                             {"max_after_workers_up_s": limit, "max_recovery_s": 2})
+        return _row(build_report(scenario, _ok(), None, "", events),
+                    "after new workers ran (s)")
+
+    assert row(0.3)["measured"] == 0.25 and row(0.3)["ok"]
+    assert not row(0.2)["ok"]
+    del events[-1]["workers_up_at"]           # no new worker: the whole recovery counts
+    assert row(0.3)["measured"] == 1.0 and not row(0.3)["ok"]

@@ -60,6 +60,8 @@ def test_every_shipped_scenario_loads_and_its_overrides_are_valid_config(path: P
     (scenario({"kind": "kill_spare", "target": {"role": "keeper"}, "trigger": {"at_step": 2}}),
      "faults[0].target.role", "not a role"),
     (scenario(KILL, expect={"max_lost_steps": -1}), "expect.max_lost_steps", "integer >= 0"),
+    (scenario(KILL, expect={"max_after_workers_up_s": 0}), "expect.max_after_workers_up_s",
+     "seconds > 0"),
     (scenario(KILL, expect={"final_state": "close"}), "expect.final_state", "identical or any"),
     (scenario(KILL, expect={"speed": 1}), "expect.speed", "not a drill key"),
     (scenario(KILL, needs=["gpu"]), "needs", "not a list of"),

@@ -193,3 +193,26 @@ def test_an_s3_endpoint_that_black_holes_cannot_hold_the_plan(
     assert "s3" not in inventory.complete_steps and "disk" in inventory.complete_steps
     unreachable = events(tmp_path, "tier_unreachable")
     assert [(e["tier"], e["timeout_s"]) for e in unreachable] == [("s3", 2)]
+
+
+def test_a_recovery_records_when_its_fresh_workers_registered(tmp_path: Path) -> None:
+    """The recovered record carries ``workers_up_at``: when every spare / fresh worker of
+    the plan had registered in the new generation (a fresh worker's start-up ends there),
+    which a drill reports apart from the recovery time."""
+    job = fenced(tmp_path, InMemoryMembership(InMemoryStore()))
+    job.kill_rank(1)
+    pending = job.coord.pending
+    assert pending is not None and pending.new_workers == {"w1-g1"}
+    survivor = {"w0-g0": record("w0-g0", 0, 1, in_step=True)}
+    job.coord.check_rejoined(survivor, set())
+    assert pending.workers_up_at is None                 # the fresh worker is still starting
+    before = time.time()
+    members = {**survivor, "w1-g1": record("w1-g1", 1, 1, in_step=True)}
+    job.coord.check_rejoined(members, set())
+    assert pending.workers_up_at is not None and pending.workers_up_at >= before
+    up = pending.workers_up_at
+    stepped = {w: record(w, r, 1, step=9, first_step_at=time.time())
+               for w, r in (("w0-g0", 0), ("w1-g1", 1))}
+    assert job.coord.check_resumed(stepped) is not None
+    (recovered,) = events(tmp_path, "recovered")
+    assert recovered["workers_up_at"] == up
