@@ -306,9 +306,8 @@ class RecoveryCoordinator:
         pending = self.pending
         if pending is None:
             return
-        if pending.workers_up_at is None and pending.new_workers <= {
-                m.worker_id for m in members.values() if m.generation == pending.generation}:
-            pending.workers_up_at = time.time()   # a fresh worker's start-up ends here
+        if pending.workers_up_at is None:
+            pending.workers_up_at = _workers_up_at(pending, members)
         if sessionless:
             self._complete(pending, time.time(), pending.restore_step, healed=False,
                            restarted=True)
@@ -703,6 +702,22 @@ class RecoveryCoordinator:
         if self.pool is not None:  # refilled after the recovery, not competing with it
             self.pool.refill(sorted(self.live_nodes))
         return record
+
+
+def _workers_up_at(pending: Recovery, members: Mapping[str, MemberRecord]) -> float | None:
+    """When the last of the recovery's spares and fresh workers was running (a fresh
+    worker's start-up ends there): each one's earliest evidence in its member record of
+    the new generation, the record's write time or its first step (a record seen a poll
+    late was written after the step); None while one has not registered."""
+    now, up = time.time(), 0.0
+    for worker in pending.new_workers:
+        record = next((m for m in members.values() if m.worker_id == worker
+                       and m.generation == pending.generation), None)
+        if record is None:
+            return None
+        seen = [float(record.extra.get(k) or now) for k in ("time", "first_step_at")]
+        up = max(up, min(now, *seen))
+    return up if pending.new_workers else None
 
 
 def _getter(refs: list[Any]) -> Callable[..., Any]:

@@ -216,3 +216,17 @@ def test_a_recovery_records_when_its_fresh_workers_registered(tmp_path: Path) ->
     assert job.coord.check_resumed(stepped) is not None
     (recovered,) = events(tmp_path, "recovered")
     assert recovered["workers_up_at"] == up
+
+
+def test_a_fresh_worker_seen_a_poll_late_was_up_by_its_record_or_first_step(
+        tmp_path: Path) -> None:
+    job = fenced(tmp_path, InMemoryMembership(InMemoryStore()))
+    job.kill_rank(1)
+    pending = job.coord.pending
+    assert pending is not None
+    now = time.time()
+    # first seen after its first step: the record (written then) and the step say earlier
+    late = {"w0-g0": record("w0-g0", 0, 1), "w1-g0": record("w1-g0", 1, 0, time=now - 9),
+            "w1-g1": record("w1-g1", 1, 1, time=now - 1.0, first_step_at=now - 1.5)}
+    job.coord.check_rejoined(late, set())
+    assert pending.workers_up_at == now - 1.5
