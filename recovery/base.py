@@ -192,9 +192,11 @@ class TierInventory:
 
 @dataclass(frozen=True)
 class SpareInventory:
-    """Live, idle, warmed spares: spare id -> the node it runs on."""
+    """Live, idle, warmed spares: spare id -> the node it runs on; ``warming``: spares
+    started (replacing promoted ones) that are still importing torch and the entrypoint."""
 
     spares: Mapping[SpareId, NodeId]
+    warming: Mapping[SpareId, NodeId] = field(default_factory=dict)
 
 
 # --- the plan: a closed union of actions -------------------------------------------------
@@ -202,11 +204,14 @@ class SpareInventory:
 
 @dataclass(frozen=True)
 class PromoteSpare:
-    """Give ``rank`` to the warm ``spare`` running on ``node``."""
+    """Give ``rank`` to the warm ``spare`` running on ``node``; ``warm`` False: a spare
+    still warming up, which runs the rank once warm (sooner than a fresh worker started
+    now, which would also slow it down)."""
 
     spare: SpareId
     rank: Rank
     node: NodeId
+    warm: bool = True
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,11 @@ def plan_recovery(faults: Sequence[FaultReport], world: WorldView, replicas: Rep
     if unplaced and cfg.on_exhausted == "fail":
         return stop(f"no spare for rank(s) {_ranks_text(unplaced)} and spares.on_exhausted is "
                     "fail; add spares or use restart")
+    if unplaced:      # on_exhausted: restart. A spare still warming beats a fresh worker
+        warming, unplaced = _assign_spares(damage, SpareInventory(spares.warming), world,
+                                           unplaced, warm=False)
+        promoted += warming
+        placements += warming
     if unplaced:
         restarts = _place_restarts(unplaced, promoted, damage, world)
         if restarts is None:
@@ -307,11 +312,13 @@ def _sources_at(step: Step, world: WorldView, damage: _Damage, replicas: Replica
     return [chosen[r] for r in sorted(chosen)], []
 
 
-def _assign_spares(damage: _Damage, spares: SpareInventory,
-                   world: WorldView) -> tuple[list[PromoteSpare], list[Rank]]:
-    """Spares for lost ranks in rank order: the node with the fewest spares used so far,
-    avoiding the rank's failed node when another node has a spare; ties by node id, then
-    spare id. Returns the promotions and the ranks left without a spare."""
+def _assign_spares(damage: _Damage, spares: SpareInventory, world: WorldView,
+                   ranks: Sequence[Rank] | None = None,
+                   warm: bool = True) -> tuple[list[PromoteSpare], list[Rank]]:
+    """Spares for lost ranks (``ranks``, default every lost one) in rank order: the node
+    with the fewest spares used so far, avoiding the rank's failed node when another node
+    has a spare; ties by node id, then spare id. Returns the promotions and the ranks left
+    without a spare."""
     by_node: dict[NodeId, list[SpareId]] = {}
     for spare, node in spares.spares.items():
         if node in damage.healthy:
@@ -321,12 +328,12 @@ def _assign_spares(damage: _Damage, spares: SpareInventory,
     heap = [(0, node) for node in sorted(by_node)]
     promoted: list[PromoteSpare] = []
     unplaced: list[Rank] = []
-    for rank in damage.lost:
+    for rank in damage.lost if ranks is None else ranks:
         if not heap:
             unplaced.append(rank)
             continue
         used, node = _pop_avoiding(heap, world.node_of(rank), same_key_only=False)
-        promoted.append(PromoteSpare(by_node[node].pop(), rank, node))
+        promoted.append(PromoteSpare(by_node[node].pop(), rank, node, warm))
         if by_node[node]:
             heapq.heappush(heap, (used + 1, node))
     return promoted, unplaced

@@ -123,6 +123,12 @@ class SparePool:
             self._spares.pop(spare_id, None)
         return {spare_id: node for spare_id, node in ready.items() if spare_id in warm}
 
+    def warming(self, live_nodes: set[int], warm: set[str]) -> dict[str, int]:
+        """spare id -> node of every spare on a live node still warming up (``warm``: the
+        ids ``inventory`` found warm). Promoted, it runs the rank once its warm-up ends."""
+        return {s.spare_id: s.node for s in self._spares.values()
+                if s.node in live_nodes and s.spare_id not in warm}
+
     def _dead(self, spare_ids: set[str]) -> list[str]:
         """Of these warm spares, those whose process is gone: one ping each, all at once,
         at most ``PROMOTE_PING_S`` (a live idle spare answers in milliseconds). The

@@ -273,7 +273,8 @@ class RecoveryCoordinator:
                                            for steps in report.local.values() if steps),
                       *reached])
         bound = rejoin_bound_s(self.cfg.recovery.group_timeout_s, self.cfg.etcd.heartbeat_s,
-                               any(isinstance(a, RestartWorker) for a in plan.actions))
+                               any(isinstance(a, RestartWorker) or (isinstance(
+                                   a, PromoteSpare) and not a.warm) for a in plan.actions))
         restore_step = plan.restore_step if plan.restore_step >= 0 or not self.resumed_from \
             else int(self.resumed_from[0]["step"])          # restarted from the resume point
         self.pending = Recovery(plan.generation, restore_step, root.observed_at, root,
@@ -500,8 +501,10 @@ class RecoveryCoordinator:
     def _spares(self) -> SpareInventory:
         if self.pool is None:
             return SpareInventory({})
-        return SpareInventory({SpareId(s): node_name(n)
-                               for s, n in self.pool.inventory(self.live_nodes).items()})
+        warm = self.pool.inventory(self.live_nodes)
+        return SpareInventory({SpareId(s): node_name(n) for s, n in warm.items()},
+                              {SpareId(s): node_name(n) for s, n
+                               in self.pool.warming(self.live_nodes, set(warm)).items()})
 
     def _forget_node(self, node: str) -> None:
         index = node_index(node)
@@ -613,6 +616,7 @@ class RecoveryCoordinator:
         initial = self._initial_restore() if restore is None else None
         worker_plan = self._current_plan
         for action in plan.actions:
+            warming = isinstance(action, PromoteSpare) and not action.warm
             match action:
                 case PromoteSpare(spare=spare_id, rank=rank, node=node):
                     assert self.pool is not None
@@ -636,7 +640,8 @@ class RecoveryCoordinator:
                                    else {**restore, "sources": sources})
             slots[rank] = slot
             self.events.emit("promoted", rank=rank, worker=slot.worker_id,
-                             node=node_name(slot.node), generation=plan.generation)
+                             node=node_name(slot.node), generation=plan.generation,
+                             **({"warming": True} if warming else {}))
 
     def _initial_restore(self) -> dict[str, Any] | None:
         """What a rank restarted with nothing committed starts from: the resume checkpoint
@@ -655,6 +660,8 @@ class RecoveryCoordinator:
         pending = self.pending
         if pending is None:
             return None
+        if pending.workers_up_at is None:   # (this poll may be the first to see them)
+            pending.workers_up_at = _workers_up_at(pending, members)
         ranks = {m.rank: m for m in members.values() if m.rank >= 0
                  and m.generation == pending.generation and m.step > pending.restore_step
                  and float(m.extra.get("first_step_at") or 0) > 0}

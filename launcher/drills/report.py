@@ -193,7 +193,8 @@ def _recovery_detail(recovery: Event, events: Sequence[Event], start: float) -> 
     same = [e for e in events if e.get("generation") == generation]
     restores = [_restore_row(e) for e in same if e["event"] == "rank_restored"]
     promotions = [{"rank": e.get("rank"), "worker": e.get("worker"), "node": e.get("node"),
-                   "spare": str(e.get("worker", "")).startswith("spare")}
+                   "spare": str(e.get("worker", "")).startswith("spare"),
+                   "warming": bool(e.get("warming"))}
                   for e in same if e["event"] == "promoted"]
     plan = next((e for e in same if e["event"] == "plan"), {})
     first, phases = recovery.get("first_step_at"), dict(recovery.get("phases_s") or {})
@@ -414,7 +415,7 @@ def _markdown_fault(fault: Mapping[str, Any]) -> list[str]:
         return lines + [f"- {fault['no_recovery']}", ""]
     phases = ", ".join(f"{k} {v:.3f} s" for k, v in rec["phases_s"].items()) or "not recorded"
     spares = ", ".join(f"rank {p['rank']} <- {p['worker']} on {p['node']} "
-                       f"({'warm spare' if p['spare'] else 'fresh worker'})"
+                       f"({_promoted_kind(p)})"
                        for p in rec["promotions"]) or "none"
     lines += [f"- recovery: generation {rec['generation']}, restore step {rec['restore_step']}, "
               f"{rec['recovery_s']} s from injection to first step, "
@@ -427,6 +428,12 @@ def _markdown_fault(fault: Mapping[str, Any]) -> list[str]:
         lines += [f"| {r['rank']} | {r['source']} | {r['source_kind']} | {r['bytes']} | "
                   f"{r['seconds']} | {r['gb_per_s']} |" for r in rec["restores"]] + [""]
     return lines
+
+
+def _promoted_kind(promotion: Mapping[str, Any]) -> str:
+    if not promotion["spare"]:
+        return "fresh worker"
+    return "spare still warming up" if promotion.get("warming") else "warm spare"
 
 
 def _cell(text: str) -> str:

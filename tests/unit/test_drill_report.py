@@ -341,3 +341,15 @@ def test_the_time_after_new_workers_ran_is_checked_apart_from_their_start_up() -
     assert not row(0.2)["ok"]
     del events[-1]["workers_up_at"]           # no new worker: the whole recovery counts
     assert row(0.3)["measured"] == 1.0 and not row(0.3)["ok"]
+
+
+def test_a_spare_promoted_while_warming_is_named_so() -> None:
+    from phalanx.launcher.drills.report import render_markdown
+
+    scenario = _Scenario("warming", (FaultSpec("kill_worker", rank=1, at_step=10),))
+    events = [_started(), *_kill(step=10, at=2.0, rank=1, generation=1, lost=0)]
+    events[3].update(worker="spare3", warming=True)      # the promoted event
+    report = build_report(scenario, _ok(), None, "", events)
+    (promotion,) = report["faults"][0]["recovery"]["promotions"]
+    assert promotion["spare"] and promotion["warming"]
+    assert "rank 1 <- spare3 on node0 (spare still warming up)" in render_markdown(report)

@@ -487,3 +487,27 @@ def test_restore_sources_round_trip_as_json_and_unknown_kinds_are_refused() -> N
         source_from_json({"kind": "tape"})
     with pytest.raises(ValueError, match="unknown fields"):
         source_from_json({"kind": "keeper", "node": "node0", "rack": 3})
+
+
+def test_a_spare_still_warming_takes_a_rank_before_a_fresh_worker_is_started() -> None:
+    """Two ranks lost, one warm spare and one still warming (started after an earlier
+    promotion): the warming one takes the second rank (it runs it once warm, sooner than a
+    fresh worker started now); a third rank gets a fresh worker. Under ``wait`` the plan
+    waits for warm spares, as before (a warming spare may be one Ray has no room for)."""
+    inventory = SpareInventory({SpareId("sp_a"): NodeId("n1")},
+                               {SpareId("sp_b"): NodeId("n3")})
+    world, replicas = make_world(), make_replicas()
+    two = [died(2, "n1"), died(4, "n2")]
+    plan = plan_recovery(two, world, replicas, tiers(), inventory, RecoveryPolicy(), NOW)
+    assert sorted(plan.of_type(PromoteSpare), key=lambda p: p.rank) == [
+        PromoteSpare(SpareId("sp_a"), Rank(2), NodeId("n1")),
+        PromoteSpare(SpareId("sp_b"), Rank(4), NodeId("n3"), warm=False)]
+    assert plan.of_type(RestartWorker) == [] and "(2 spare(s), 0 restart(s))" in plan.reason
+    assert RecoveryPlan.from_json(plan.to_json()) == plan       # the flag survives the wire
+    three = [*two, died(6, "n3")]
+    plan = plan_recovery(three, world, replicas, tiers(), inventory, RecoveryPolicy(), NOW)
+    assert [r.rank for r in plan.of_type(RestartWorker)] == [6]
+    assert {p.rank: p.warm for p in plan.of_type(PromoteSpare)} == {2: True, 4: False}
+    waiting = plan_recovery(two, world, replicas, tiers(), inventory,
+                            RecoveryPolicy(on_exhausted="wait"), NOW)
+    assert waiting.of_type(WaitForCapacity) and not waiting.of_type(PromoteSpare)

@@ -230,3 +230,10 @@ def test_a_fresh_worker_seen_a_poll_late_was_up_by_its_record_or_first_step(
             "w1-g1": record("w1-g1", 1, 1, time=now - 1.0, first_step_at=now - 1.5)}
     job.coord.check_rejoined(late, set())
     assert pending.workers_up_at == now - 1.5
+    # first seen by the poll that completes the recovery (check_resumed runs first)
+    pending.workers_up_at = None
+    stepped = {w: record(w, r, 1, step=9, first_step_at=now - 0.5) for w, r in
+               (("w0-g0", 0), ("w1-g1", 1))}
+    assert job.coord.check_resumed(stepped) is not None
+    (recovered,) = events(tmp_path, "recovered")
+    assert recovered["workers_up_at"] == now - 0.5
