@@ -337,7 +337,8 @@ class SparesConfig:
     count: int = doc("warm spare actors kept ready", 1)
     warmup: str = doc("optional 'module:function' or 'path.py:function' run once in each spare", "")
     on_exhausted: Literal["restart", "wait", "fail"] = doc(
-        "when no spare is left: restart a fresh actor, wait for one, or fail", "restart")
+        "when no warm spare is left: restart (on a spare still warming up, else a fresh "
+        "actor), wait for one, or fail", "restart")
     wait_timeout_s: float = doc("deadline of on_exhausted: wait", 60.0)
     resources: dict[str, float] = doc(
         "Ray resources each spare asks for besides its node's: CPU and GPU become num_cpus "
