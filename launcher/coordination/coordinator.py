@@ -698,7 +698,7 @@ class RecoveryCoordinator:
                   "reason": pending.plan_reason}
         if restarted:
             record["restarted"] = True
-        if pending.new_workers and pending.workers_up_at is not None:
+        if pending.workers_up_at is not None:     # (None when it started no worker)
             record["workers_up_at"] = pending.workers_up_at
         self.history.append(record)
         self.events.emit("recovered", **record)
@@ -716,15 +716,16 @@ def _workers_up_at(pending: Recovery, members: Mapping[str, MemberRecord]) -> fl
     worker's start-up ends there): each one's earliest evidence in its member record of
     the new generation, the record's write time or its first step (a record seen a poll
     late was written after the step); None while one has not registered."""
+    if not pending.new_workers:
+        return None
     now, up = time.time(), 0.0
     for worker in pending.new_workers:
-        record = next((m for m in members.values() if m.worker_id == worker
-                       and m.generation == pending.generation), None)
-        if record is None:
+        record = members.get(worker)
+        if record is None or record.generation != pending.generation:
             return None
         seen = [float(record.extra.get(k) or now) for k in ("time", "first_step_at")]
         up = max(up, min(now, *seen))
-    return up if pending.new_workers else None
+    return up
 
 
 def _getter(refs: list[Any]) -> Callable[..., Any]:
