@@ -258,20 +258,33 @@ def descendants(pid: int) -> list[int]:
 
 
 def processes_naming(text: str) -> list[int]:
-    """Live processes (not this one) whose command line contains ``text`` (read from
-    /proc): a Ray process started for a cluster names that cluster's temp dir in its
-    arguments (``--log_dir=<temp dir>/session_.../logs``)."""
+    """Live processes (not this one) that name ``text`` in their command line or hold an
+    open file (or their working directory) under it (read from /proc): a Ray process started
+    for a cluster names that cluster's temp dir in its arguments
+    (``--log_dir=<temp dir>/session_.../logs``), and an agent, which retitles itself
+    ``ray::DashboardAgent``, keeps its log files there open (an agent whose raylet was
+    SIGKILLed while starting it outlived the launcher: CI, stop 47)."""
     found, needle = [], text.encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes()
+            if needle in (entry / "cmdline").read_bytes() or _holds_file_under(entry, text):
+                found.append(int(entry.name))
         except OSError:  # exited while we looked
             continue
-        if needle in cmdline:
-            found.append(int(entry.name))
     return found
+
+
+def _holds_file_under(proc: Path, directory: str) -> bool:
+    """Whether the process at ``/proc/<pid>`` has its cwd or an open file under ``directory``."""
+    prefix = directory.rstrip("/") + "/"
+    links = [proc / "cwd", *(proc / "fd").iterdir()]
+    for link in links:
+        with contextlib.suppress(OSError):   # an fd closed while we looked
+            if (os.readlink(link) + "/").startswith(prefix):
+                return True
+    return False
 
 
 def running_raylets(cluster_dir: Path) -> list[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -23,14 +24,27 @@ def _pid() -> int:
     return os.getpid()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_a_raylet_dead_at_start_up_fails_the_first_work_within_seconds() -> None:
+    """... and the agents it had started, orphaned and retitled ``ray::DashboardAgent`` (no
+    temp dir left in their command lines), go when the cluster closes: CI saw two outlive
+    the launcher after a raylet was SIGKILLed as it started them."""
     with LocalRay(RayConfig(virtual_nodes=2), log_to_driver=False) as cluster:   # starts it
         first = ray.remote(num_cpus=0, max_retries=0)(_pid)
-        raylet = cluster.node_pids(1)[0]
+        raylet, *agents = cluster.node_pids(1)
+        assert agents, "a raylet starts its dashboard and runtime-env agents"
         # the raylets a stalled start's error counts: the head's and each virtual node's
         assert raylet in running_raylets(cluster._temp_dir)
         assert len(running_raylets(cluster._temp_dir)) == 3
         os.kill(raylet, signal.SIGKILL)
+        for agent in agents:                # as an agent slow to notice its raylet's death
+            os.kill(agent, signal.SIGSTOP)
         started = time.monotonic()
         refs = [first.options(resources={node_resource(i): 1}).remote() for i in (0, 1)]
         with pytest.raises(ServiceStartError, match=r"1 raylet\(s\) died") as raised:
@@ -39,6 +53,11 @@ def test_a_raylet_dead_at_start_up_fails_the_first_work_within_seconds() -> None
         # how it died is in the error: the signal, as the launcher reports a lost start
         assert cluster.raylet_exits() == {1: -signal.SIGKILL}
         assert "{1: -9}" in str(raised.value)
+        assert all(_alive(agent) for agent in agents)
+    deadline = time.monotonic() + 10.0    # SIGKILLed: gone once the kernel has reaped it
+    while [agent for agent in agents if _alive(agent)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [agent for agent in agents if _alive(agent)]
 
 
 def test_a_gcs_dead_as_it_starts_is_started_again_at_once(monkeypatch, tmp_path) -> None:
