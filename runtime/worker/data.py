@@ -69,7 +69,8 @@ class LoaderPosition:
     live iterator or the next ``iter(loader)`` applies."""
 
     def __init__(self, loader: DataLoader, on_next: Callable[[], None],
-                 epoch: Callable[[], int | None]) -> None:
+                 epoch: Callable[[], int | None],
+                 on_fetch: Callable[["LoaderPosition"], None] | None = None) -> None:
         # held weakly: the loader holds this position (its iterators, its sampler), the
         # Session holds it too, and a Session is in reference cycles; a strong reference
         # put the loader in the cyclic garbage with it, where multiprocessing's finalizers
@@ -82,6 +83,10 @@ class LoaderPosition:
         self.on_next = on_next          # the Session's check for a fault outside a step
         self.epoch = epoch              # the ``session.epochs`` epoch running (None: the
                                         # script's epoch loop is not ``session.epochs``)
+        self.on_fetch = on_fetch        # called with this position just before each fetch
+        # what ``state_dict`` reports while set: the position before the batch in hand was
+        # fetched (``Session``'s first capture, taken inside the first step)
+        self.reported: dict[str, Any] | None = None
         self.passes = -1                # index of the current pass (iter() calls)
         self.yielded = 0                # batches yielded in the current pass
         self.first = 0                  # index of the current epoch's first pass
@@ -132,6 +137,8 @@ class LoaderPosition:
 
     # -- snapshot side ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        if self.reported is not None:
+            return self.reported
         state: dict[str, Any] = {"pass": self.passes, "yielded": self.yielded,
                                  "first": self.first}
         if self.stateful:
@@ -392,13 +399,17 @@ class _ResumingIterator:
                 if position.epoch() is None:
                     raise LoaderPositionLost(self._pass, restored_pass)
                 if position.defer_switch(self._pass):
-                    batch = next(self._inner)            # this pass goes on
-                    position.yielded += 1
-                    return batch
+                    return self._fetch()                 # this pass goes on
                 if position.switch_to_restored(self._pass):      # nothing of it left
                     raise StopIteration
             self._inner = position.resume_pass()
             self._pass = position.passes
+        return self._fetch()
+
+    def _fetch(self) -> Any:
+        position = self._position
+        if position.on_fetch is not None:
+            position.on_fetch(position)
         batch = next(self._inner)
         position.yielded += 1
         return batch

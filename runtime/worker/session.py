@@ -204,6 +204,10 @@ class Session(Rejoining):
         # restored pass resumes (see _enter_restored_top); None otherwise
         self._top_state: dict[str, tuple[Any, Any]] | None = None
         self._batch_in_hand = False     # a registered loader fetched the next step's batch
+        # until the first capture: each loader's position and the RNG just before that
+        # loader's last fetch (see _before_fetch)
+        self._fetched_from: dict[int, dict[str, Any]] = {}
+        self._rng_before_fetch: dict[str, Any] | None = None
         self._keeping_top = False       # an epoch's top runs: its collectives are kept
 
     # -- lifecycle -------------------------------------------------------------------
@@ -537,7 +541,8 @@ class Session(Rejoining):
                 raise ValueError(f"state {name!r} is already registered or reserved")
             if isinstance(obj, DataLoader):    # its position: phalanx.runtime.worker.data
                 obj = LoaderPosition(obj, self._before_batch,
-                                     lambda: self._progress.epoch if self._in_epochs else None)
+                                     lambda: self._progress.epoch if self._in_epochs else None,
+                                     self._before_fetch)
             if object_kind(obj) == "value":
                 self.extras[name] = obj
                 continue
@@ -649,6 +654,44 @@ class Session(Rejoining):
             self._recapture_between_steps()
         self._batch_in_hand = True      # until the step that takes it starts
 
+    def _before_fetch(self, position: LoaderPosition) -> None:
+        """Just before a registered loader fetches a batch, until the first capture: its
+        position and the RNG then, which that capture reports (``_as_before_fetch``)."""
+        snapshotter = self._snapshotter
+        if snapshotter is not None and snapshotter.has_captured:
+            return
+        self._fetched_from[id(position)] = position.state_dict()
+        rng = self._objects.get("__rng__")
+        if rng is not None:
+            self._rng_before_fetch = rng.state_dict()
+
+    @contextmanager
+    def _as_before_fetch(self) -> Iterator[None]:
+        """The first capture is taken inside the first step, with its batch fetched: the
+        loaders' positions and the RNG are captured as they were before that fetch, as
+        every later capture (a step's end) finds them. Captured as they were after it, a
+        rollback to that step (a rank lost in the first step of the job, or in a
+        replacement's first step) redid it on the next batch: every rank skipped one,
+        and the run ended with other parameters than without the fault."""
+        positions = [obj for obj in self._objects.values() if isinstance(obj, LoaderPosition)
+                     and id(obj) in self._fetched_from] if self._batch_in_hand else []
+        rng = self._objects.get("__rng__")
+        after: tuple[Any, dict[str, Any]] | None = None    # the RNG and its live state
+        if positions and rng is not None and self._rng_before_fetch is not None:
+            after = (rng, rng.state_dict())
+            rng.load_state_dict(self._rng_before_fetch)
+        for position in positions:
+            position.reported = self._fetched_from[id(position)]
+        try:
+            yield
+        finally:
+            for position in positions:
+                position.reported = None
+            if after is not None:
+                after[0].load_state_dict(after[1])
+            self._fetched_from.clear()
+            self._rng_before_fetch = None
+
     def _restored_tail(self) -> int | None:
         """The restored epoch whose tail the epoch body just ran, if a restore moved a
         registered loader's live loop into a pass of that earlier epoch (``tail_of``)."""
@@ -735,15 +778,17 @@ class Session(Rejoining):
         snapshotter = self._snapshotter
         self._stepped.clear()
         if snapshotter is not None and not snapshotter.has_captured:
-            self._capture(snapshotter)  # the initial state
-            if snapshotter.shares_interval and self.generation == 0 \
-                    and self._progress.step_index == 0:
-                # the job's start, the same step on every rank: the next step's snapshot
-                # measures, then UNMEASURED_INTERVAL holds until an agreement carries it
-                snapshotter.measure_next()
-                snapshotter.agree_interval(UNMEASURED_INTERVAL)
-                self._unmeasured = True
-            self._capture_per_rank()
+            with self._as_before_fetch():
+                self._capture(snapshotter)  # the initial state
+                if snapshotter.shares_interval and self.generation == 0 \
+                        and self._progress.step_index == 0:
+                    # the job's start, the same step on every rank: the next step's
+                    # snapshot measures, then UNMEASURED_INTERVAL holds until an agreement
+                    # carries it
+                    snapshotter.measure_next()
+                    snapshotter.agree_interval(UNMEASURED_INTERVAL)
+                    self._unmeasured = True
+                self._capture_per_rank()
             if self._verifier is not None:
                 self._verifier.note_capture(self._progress.step_index)
         if self._batch_in_hand:         # fetched before a fault this rank notices now

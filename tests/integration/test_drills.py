@@ -323,6 +323,32 @@ def test_ddp_groups_training_models_of_their_own_compare_and_recover_apart(
 
 
 @pytest.mark.timeout(600)
+def test_a_rank_lost_in_the_jobs_first_step_is_redone_on_that_steps_batch(
+        run_root: Path, tmp_path: Path) -> None:
+    """Rank 3 raises in the job's first step (its batch already fetched, as the first
+    snapshot is taken inside that step): a spare restores it from that snapshot and the
+    survivors roll back to it. Both go on from the first batch of the epoch; with the
+    loader's position captured after that fetch, every rank skipped it (the DDP tier
+    drill's heal at step 0 in a fresh clone) and the run ended with other parameters."""
+    scenario = tmp_path / "first_step.yaml"
+    scenario.write_text(yaml.safe_dump({
+        "name": "first_step", "faults": [{"kind": "worker_exception", "target": {"rank": 3},
+                                          "trigger": {"at_step": 0}}],
+        "expect": {"final_state": "identical", "max_lost_steps": 0}}))
+    result = drill("run", str(scenario), "--verify", "--config", "configs/ddp.yaml", "--set",
+                   f"job.argv={DDP_ARGV}", run_root=run_root)
+    assert result.returncode == 0, result.stderr[-5000:]
+    report = report_of(result)
+    assert report["passed"], report["checks"]
+    fired_at_their_step(report)
+    run = Run(Path(report["run"]["run_dir"]), result.stderr)
+    (recovered,) = run.named("recovered")
+    assert recovered["fault"] == "worker_exception" and recovered["ranks"] == [3]
+    (plan,) = run.named("plan")
+    assert plan["restore_step"] == 0
+
+
+@pytest.mark.timeout(600)
 def test_a_broken_expectation_fails_with_a_clear_line(run_root: Path, tmp_path: Path) -> None:
     """Snapshots every 10 steps, no heal from peers and a kill after step 21: the rollback
     recomputes steps, so ``max_lost_steps: 0`` cannot hold and the drill must say so and
