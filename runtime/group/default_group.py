@@ -505,6 +505,39 @@ def _capped_buckets(ddp: Any) -> None:
         ddp._static_graph_delay_allreduce_enqueued = False     # its first iteration again
 
 
+def _patch_ddp_sink() -> None:
+    """DDP's ``_DDPSink`` (the autograd node a static graph's first iteration, and
+    ``find_unused_parameters``, put on the forward's outputs) reaches its DDP module in
+    backward through a weak reference; seen dead with the module alive (a fresh clone's
+    DDP drill: ``'NoneType' object has no attribute 'reducer'`` in its backward, the rank
+    lost to a worker exception; reported upstream too, Lightning #20706). The node also
+    keeps the module strongly for its backward, which uses it when the weak reference is
+    dead. Idempotent."""
+    from torch.nn.parallel.distributed import _DDPSink
+
+    if getattr(_DDPSink, "_phalanx_strong", False):
+        return
+    forward, backward = _DDPSink.forward, _DDPSink.backward
+
+    @functools.wraps(forward)
+    def sink_forward(ctx: Any, ddp_weakref: Any, *inputs: Any) -> Any:
+        ctx.phalanx_ddp = ddp_weakref()
+        return forward(ctx, ddp_weakref, *inputs)
+
+    @functools.wraps(backward)
+    def sink_backward(ctx: Any, *grad_outputs: Any) -> Any:
+        ddp = getattr(ctx, "phalanx_ddp", None)
+        if ddp is not None and ctx.ddp_weakref() is None:
+            log.warning("event=ddp_sink_weakref_dead module=%s: DDP's backward reaches the "
+                        "module through the reference phalanx kept", type(ddp.module).__name__)
+            ctx.ddp_weakref = lambda: ddp
+        return backward(ctx, *grad_outputs)
+
+    _DDPSink.forward = staticmethod(sink_forward)     # type: ignore[method-assign]
+    _DDPSink.backward = staticmethod(sink_backward)   # type: ignore[method-assign]
+    _DDPSink._phalanx_strong = True                   # type: ignore[attr-defined]
+
+
 def _patch_ddp() -> None:
     """DDP modules on the default group of a fault-tolerant script (a Session attached)
     get a bucket layout every rank can compute alone (``_capped_buckets``) and keep it
@@ -522,6 +555,7 @@ def _patch_ddp() -> None:
     iteration is a first one."""
     from torch.nn.parallel import DistributedDataParallel
 
+    _patch_ddp_sink()
     original = getattr(DistributedDataParallel._pre_forward, "__wrapped__",
                        DistributedDataParallel._pre_forward)
     register_builtin = getattr(DistributedDataParallel._register_builtin_comm_hook,
