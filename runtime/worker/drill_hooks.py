@@ -20,8 +20,9 @@ import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from phalanx.configs.errors import InjectedFault, MembershipUnavailable
 from phalanx.runtime.base import Membership
@@ -32,6 +33,9 @@ MAP_FORMAT = 1
 GATE_PREFIX = "drills/gate/"
 GATE_WAIT_S = 20.0     # a rank held longer goes on (a launcher gone): logged, not raised
 GATE_POLL_S = 0.01
+# the drill's SIGUSR1 raised while phalanx's own I/O runs (see signals_deferred)
+_deferring = 0
+_pending: InjectedFault | None = None
 
 
 def gate_reason(step: int) -> str:
@@ -52,7 +56,9 @@ def hold_at_gate(membership: Membership, step: int, give_up: Callable[[], bool],
     deadline = clock() + wait_s
     while clock() < deadline:
         try:
-            if membership.get(gate_key(step)) is not None:
+            with signals_deferred():
+                released = membership.get(gate_key(step)) is not None
+            if released:
                 return True
         except MembershipUnavailable:
             pass
@@ -114,12 +120,37 @@ def read_memory_maps(run_dir: str | Path, rank: int) -> list[dict[str, Any]]:
                   key=lambda d: float(d.get("written_at", 0)), reverse=True)
 
 
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """The drill's ``InjectedFault`` raised at the block's end, not inside it: phalanx's
+    own waits at a drill gate (an etcd read over gRPC, a snapshot's publish) are where the
+    signal lands, and raised inside them it left their state half-changed (the publish's
+    wait kept the exception as the publish's error and went on; the rank then stalled and
+    the other ranks' all-reduce timed out after 30 s: a fresh clone's ``mixed`` drill).
+    A script's own code, where a real bug raises, is never inside this block."""
+    global _deferring, _pending
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+        if not _deferring and _pending is not None:
+            pending, _pending = _pending, None
+            raise pending
+
+
 def raise_on_sigusr1() -> None:
     """A drill's ``worker_exception`` fault: SIGUSR1 makes the training thread raise
-    ``InjectedFault`` wherever it is in its step, as a real bug or a device error would.
-    Only from the main thread (where Python runs signal handlers)."""
+    ``InjectedFault`` wherever it is in its step, as a real bug or a device error would
+    (after phalanx's own I/O under way: ``signals_deferred``). Only from the main thread
+    (where Python runs signal handlers)."""
     def handler(signum: int, frame: object) -> None:
-        raise InjectedFault(f"drill: worker_exception injected with signal {signum}")
+        global _pending
+        fault = InjectedFault(f"drill: worker_exception injected with signal {signum}")
+        if _deferring:
+            _pending = fault
+            return
+        raise fault
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGUSR1, handler)

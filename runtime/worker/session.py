@@ -50,7 +50,7 @@ from phalanx.runtime.worker.keeper_link import KeeperLink, keeper_address, no_ro
 from phalanx.runtime.keeper.wire import KeeperClient
 from phalanx.runtime.membership.etcd import EtcdMembership
 from phalanx.runtime.worker.drill_hooks import (gate_reason, hold_at_gate, raise_on_sigusr1,
-                                               write_memory_map)
+                                               signals_deferred, write_memory_map)
 from phalanx.runtime.worker.recovering import Rejoining
 from phalanx.runtime.consistency.digest import REPLICAS_EXTRA
 from phalanx.runtime.consistency.verify import (ReplicaVerifier, compared_names,
@@ -864,9 +864,10 @@ class Session(Rejoining):
         membership, watcher = self._membership, self._watcher
         if membership is None:
             return
-        for snapshotter in (self._snapshotter, self._rank_snapshotter):
-            if snapshotter is not None:
-                snapshotter.wait_published()
+        with signals_deferred():
+            for snapshotter in (self._snapshotter, self._rank_snapshotter):
+                if snapshotter is not None:
+                    snapshotter.wait_published()
         generation = self.generation
         with self._activity.busy(gate_reason(step)):
             released = hold_at_gate(membership, step, lambda: watcher is not None

@@ -236,6 +236,36 @@ def test_a_held_rank_waits_for_its_gate_and_gives_up_on_a_newer_generation() -> 
     assert 2.0 <= clock[0] < 2.1
 
 
+def test_a_worker_exception_at_a_gate_is_raised_after_the_gates_etcd_read_not_inside_it(
+        ) -> None:
+    """A real SIGUSR1 arriving while the held rank reads its gate from etcd: the read ends
+    (gRPC's state left whole) and ``InjectedFault`` is raised after it, from the gate."""
+    import os
+    import signal
+
+    from phalanx.configs.errors import InjectedFault
+    from phalanx.runtime.worker.drill_hooks import raise_on_sigusr1
+
+    class Signalled(MemoryMembership):
+        reads_ended = 0
+
+        def get(self, key: str) -> Any:
+            os.kill(os.getpid(), signal.SIGUSR1)    # the launcher's worker_exception fault
+            for _ in range(1000):                   # Python code after it: the handler runs
+                pass
+            Signalled.reads_ended += 1
+            return super().get(key)
+
+    before = signal.getsignal(signal.SIGUSR1)
+    raise_on_sigusr1()
+    try:
+        with pytest.raises(InjectedFault, match="worker_exception injected"):
+            hold_at_gate(Signalled(), 9, lambda: False, wait_s=5)
+        assert Signalled.reads_ended == 1
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_faults_written_to_etcd_are_fired_and_bad_ones_refused(fake: FakeEnv) -> None:
     import json
     import signal
