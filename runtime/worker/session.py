@@ -206,7 +206,7 @@ class Session(Rejoining):
         self._batch_in_hand = False     # a registered loader fetched the next step's batch
         # until the first capture: each loader's position and the RNG just before that
         # loader's last fetch (see _before_fetch)
-        self._fetched_from: dict[int, dict[str, Any]] = {}
+        self._fetched_from: dict[LoaderPosition, dict[str, Any]] = {}
         self._rng_before_fetch: dict[str, Any] | None = None
         self._keeping_top = False       # an epoch's top runs: its collectives are kept
 
@@ -655,12 +655,13 @@ class Session(Rejoining):
         self._batch_in_hand = True      # until the step that takes it starts
 
     def _before_fetch(self, position: LoaderPosition) -> None:
-        """Just before a registered loader fetches a batch, until the first capture: its
-        position and the RNG then, which that capture reports (``_as_before_fetch``)."""
+        """Just before a registered loader fetches a batch, while the first capture is to
+        come: its position and the RNG then, which that capture reports
+        (``_as_before_fetch``). Nothing once it is taken, or in a session without snapshots."""
         snapshotter = self._snapshotter
-        if snapshotter is not None and snapshotter.has_captured:
+        if self._started and (snapshotter is None or snapshotter.has_captured):
             return
-        self._fetched_from[id(position)] = position.state_dict()
+        self._fetched_from[position] = position.state_dict()
         rng = self._objects.get("__rng__")
         if rng is not None:
             self._rng_before_fetch = rng.state_dict()
@@ -673,15 +674,14 @@ class Session(Rejoining):
         rollback to that step (a rank lost in the first step of the job, or in a
         replacement's first step) redid it on the next batch: every rank skipped one,
         and the run ended with other parameters than without the fault."""
-        positions = [obj for obj in self._objects.values() if isinstance(obj, LoaderPosition)
-                     and id(obj) in self._fetched_from] if self._batch_in_hand else []
+        positions = list(self._fetched_from) if self._batch_in_hand else []
         rng = self._objects.get("__rng__")
         after: tuple[Any, dict[str, Any]] | None = None    # the RNG and its live state
         if positions and rng is not None and self._rng_before_fetch is not None:
             after = (rng, rng.state_dict())
             rng.load_state_dict(self._rng_before_fetch)
         for position in positions:
-            position.reported = self._fetched_from[id(position)]
+            position.reported = self._fetched_from[position]
         try:
             yield
         finally:
